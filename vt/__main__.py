@@ -1,0 +1,3 @@
+from vt.cli import main
+
+raise SystemExit(main())

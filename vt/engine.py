@@ -1,0 +1,369 @@
+"""AsyncEngine: the one scheduler coroutine, the depth-1/2 step pipeline and per-request streams.
+
+Loop, depth 2: schedule and launch step N+1 while step N runs, then take step N's sampled tokens,
+append them, detokenize, check stop conditions and push deltas. A request that finishes at step N
+is already in step N+1: that extra token arrives for a finished request and is dropped by the
+scheduler (append_token returns None), never streamed, never counted. Depth 1 waits for each step
+before scheduling the next; both produce the same tokens for greedy and seeded requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from vt.config import EngineConfig, ModelConfig
+from vt.kernels import get_backend
+from vt.runner import ModelRunner, StepHandle, StepOutput
+from vt.sampling import SamplingParams
+from vt.sched.request import Request, RequestStatus
+from vt.sched.scheduler import Scheduler, SchedulerConfig
+from vt.stats import EngineStats
+from vt.tokenizer import DetokStream, Tokenizer
+
+log = logging.getLogger("vt.engine")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    text: str                                   # delta since the last output
+    token_ids: tuple[int, ...]                  # delta
+    logprobs: tuple[TokenLogprob, ...] | None   # delta, aligned with token_ids
+    finished: bool
+    finish_reason: str | None                   # stop | length | abort | error
+    stop_reason: str | int | None               # matched stop string or stop token id
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class _State:
+    request: Request
+    detok: DetokStream
+    queue: asyncio.Queue
+    stop_ids: frozenset[int]
+    finished: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class RequestStream:
+    """Async iterator of one request's RequestOutputs; closing it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out: RequestOutput = await self._queue.get()
+        if out.finished:
+            self._done = True
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self.engine.abort(self.request_id)
+
+
+@dataclass
+class StepEvent:
+    kind: str        # "launch" | "done"
+    step_id: int
+    time: float = field(default_factory=time.monotonic)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        device = {"cpu": "numpy"}.get(config.device, config.device)
+        self.ops = get_backend(device)
+        mml = config.max_model_len or self.model_config.max_position_embeddings
+        if mml < 2:
+            raise ValueError("--max-model-len must be at least 2")
+        if mml > self.model_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {mml} exceeds the model's max_position_embeddings "
+                             f"{self.model_config.max_position_embeddings}")
+        self.max_model_len = mml
+        if config.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r} (fcfs | priority)")
+        self.runner = ModelRunner(self.model_config, config, self.ops, mml)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            num_blocks=self.runner.num_blocks,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
+        self.depth = 2 if config.async_scheduling else 1
+        self._states: dict[str, _State] = {}
+        self._stats = EngineStats()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._seq = 0
+        self._dead: str | None = None
+        self._consecutive_failures = 0
+        self.record_events = False
+        self.events: collections.deque[StepEvent] = collections.deque(maxlen=100_000)
+        self._inflight: collections.deque[StepHandle] = collections.deque()
+        self._last_done: float | None = None
+        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="vt-scheduler")
+
+    async def stop(self, timeout: float = 0.0) -> None:
+        """Let unfinished requests run for up to `timeout` seconds, abort the rest, stop the loop."""
+        deadline = time.monotonic() + timeout
+        while self._states and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for rid in list(self._states):
+            self.abort(rid)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for h in self._inflight:
+            try:
+                await h.wait()
+            except Exception:
+                pass
+        self._inflight.clear()
+        self.runner.shutdown()
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and (self._task is None or not self._task.done())
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> RequestStream:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {n} tokens, but the model's maximum context length "
+                                     f"is {self.max_model_len} tokens")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{n} prompt tokens and max_tokens {max_tokens} ({n + max_tokens} in all)")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        self._seq += 1
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                      arrival=time.monotonic(), seq=self._seq, priority=priority, max_tokens=max_tokens)
+        self.scheduler.add(req)  # raises ValueError for a request that can never fit
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids) | eos
+        detok = DetokStream(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
+                            params.stop, params.include_stop_str_in_output)
+        state = _State(req, detok, asyncio.Queue(), stop_ids)
+        self._states[request_id] = state
+        self._stats.prompt_tokens_total += n
+        self._wakeup.set()
+        return RequestStream(self, request_id, state.queue)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt_token_ids, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        state = self._states.get(request_id)
+        if state is None:
+            return
+        self._finish(state, RequestStatus.FINISHED_ABORTED, "abort", None, "")
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_requests_running = self.scheduler.num_running
+        s.num_requests_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage_perc = self.scheduler.kv_usage
+        s.num_preemptions_total = self.scheduler.num_preemptions_total
+        return s
+
+    def _eos_for(self, request_id: str) -> tuple[int, ...]:
+        state = self._states.get(request_id)
+        return tuple(sorted(state.stop_ids)) if state is not None else ()
+
+    # ---- the scheduler coroutine -------------------------------------------------------------
+    async def _run(self) -> None:
+        inflight = self._inflight
+        while True:
+            launched = False
+            if len(inflight) < self.depth and self._dead is None:
+                batch = self.scheduler.schedule()
+                if not batch.empty:
+                    now = time.monotonic()
+                    if not inflight and self._last_done is not None:
+                        self._stats.gpu_idle_seconds_total += now - self._last_done
+                    try:
+                        h = self.runner.execute(batch, self._eos_for)
+                    except Exception as exc:  # staging failed: fail this batch's requests
+                        log.exception("step launch failed")
+                        self._fail_requests([s.request_id for s in batch.seqs], exc)
+                        continue
+                    inflight.append(h)
+                    launched = True
+                    if self.record_events:
+                        self.events.append(StepEvent("launch", h.step_id))
+                else:
+                    for rid in batch.released:
+                        self.runner.release(rid)
+            if inflight and (not launched or len(inflight) >= self.depth):
+                h = inflight.popleft()
+                try:
+                    out = await h.wait()
+                except Exception as exc:
+                    log.exception("step %d failed", h.step_id)
+                    self._step_failed(h, exc)
+                    continue
+                self._consecutive_failures = 0
+                self._last_done = time.monotonic()
+                self._stats.steps_total += 1
+                self._stats.step_time_seconds_total += out.done_time - out.launch_time
+                if self.record_events:
+                    self.events.append(StepEvent("done", h.step_id))
+                self._process(out)
+                continue
+            if not launched:
+                self._wakeup.clear()
+                if not self.scheduler.has_unfinished() or self._dead is not None:
+                    await self._wakeup.wait()
+                else:
+                    # Work exists but nothing is schedulable right now (e.g. blocks are short).
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), 0.01)
+                    except asyncio.TimeoutError:
+                        pass
+            else:
+                await asyncio.sleep(0)  # let HTTP callbacks run between launches
+
+    def _step_failed(self, h: StepHandle, exc: BaseException) -> None:
+        self._consecutive_failures += 1
+        rids = [rid for _, rid in h.plan.sample_req]
+        self._fail_requests(rids, exc)
+        if self._consecutive_failures >= 3:
+            self._dead = f"{type(exc).__name__}: {exc}"
+            log.error("engine marked dead after repeated step failures: %s", self._dead)
+            self._fail_requests(list(self._states), exc)
+
+    def _fail_requests(self, rids: list[str], exc: BaseException) -> None:
+        msg = f"the engine step failed: {type(exc).__name__}: {exc}"
+        for rid in rids:
+            state = self._states.get(rid)
+            if state is not None:
+                self._finish(state, RequestStatus.FINISHED_ABORTED, "error", None, "", error=msg)
+
+    def _process(self, out: StepOutput) -> None:
+        now = time.monotonic()
+        for tok in out.sampled:
+            req = self.scheduler.append_token(tok.request_id, tok.token_id)
+            state = self._states.get(tok.request_id)
+            if req is None or state is None or state.finished:
+                continue  # the extra step after a finish: dropped
+            self._stats.generation_tokens_total += 1
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self._stats.time_to_first_token_seconds.observe(now - req.arrival)
+            else:
+                self._stats.inter_token_latency_seconds.observe(now - state.last_token_time)
+            state.last_token_time = now
+            lp = None
+            if tok.logprob is not None and req.params.logprobs is not None:
+                lp = (TokenLogprob(tok.token_id, tok.logprob, tok.top[: req.params.logprobs]),)
+            num_out = len(req.output_token_ids)
+            text = state.detok.push(tok.token_id)
+            if tok.token_id in state.stop_ids and num_out > req.params.min_tokens:
+                reason = None if tok.token_id in self.eos_token_ids and tok.token_id not in \
+                    req.params.stop_token_ids else tok.token_id
+                self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", reason,
+                             text + state.detok.flush(), (tok.token_id,), lp)
+            elif state.detok.stop_str is not None:
+                self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", state.detok.stop_str, text,
+                             (tok.token_id,), lp)
+            elif num_out >= req.max_tokens:
+                self._finish(state, RequestStatus.FINISHED_LENGTH, "length", None,
+                             text + state.detok.flush(), (tok.token_id,), lp)
+            else:
+                state.queue.put_nowait(RequestOutput(
+                    req.request_id, text, (tok.token_id,), lp, False, None, None,
+                    len(req.prompt_token_ids), num_out, req.num_cached_tokens))
+        self._stats.prefix_cache_hit_tokens_total = getattr(self.scheduler, "prefix_hit_tokens_total", 0)
+
+    def _finish(self, state: _State, status: RequestStatus, reason: str, stop_reason: str | int | None,
+                text: str, token_ids: tuple[int, ...] = (), lp: tuple[TokenLogprob, ...] | None = None,
+                error: str | None = None) -> None:
+        if state.finished:
+            return
+        state.finished = True
+        req = state.request
+        self.scheduler.finish(req.request_id, status)
+        del self._states[req.request_id]
+        now = time.monotonic()
+        self._stats.request_success_total[reason] += 1
+        self._stats.e2e_request_latency_seconds.observe(now - req.arrival)
+        state.queue.put_nowait(RequestOutput(
+            req.request_id, text, token_ids, lp, True, reason, stop_reason, len(req.prompt_token_ids),
+            len(req.output_token_ids), req.num_cached_tokens, error))
+        self._wakeup.set()

@@ -1,0 +1,151 @@
+"""The backend contract: one op set, implemented by numpy_ops (float32 reference) and cuda_ops (bf16).
+
+Conventions shared by both implementations:
+- "act" arrays hold activations and weights in the backend's compute dtype (float32 on numpy,
+  bf16 on CUDA). Index arrays are int32. Logits and sampling math are float32.
+- Shapes: T = tokens in the step, B = sequences in the step, H = hidden size, V = vocab,
+  NB = KV blocks, BS = block size, Hq / Hk = query / kv heads, D = head dim,
+  R = sampler rows (one per running request, a persistent slot owned by the runner).
+- Ops that return arrays may allocate on numpy. On CUDA they take their outputs from the
+  workspace arena of the current slot (see `workspace`), so a step never allocates from the
+  pool and a captured graph sees the same pointers on every replay.
+- Ops documented "in place" return None and write into an argument.
+- Scalars are Python numbers at this interface; cuda_ops converts them to np.int32 / np.float32.
+
+The sampler's random numbers are counter based so that a seeded request draws the same numbers
+whatever batch it is in, on either backend:
+    x = (seed * 0x9E3779B97F4A7C15 + offset * 0xBF58476D1CE4E5B9 + token * 0x94D049BB133111EB) mod 2**64
+    x ^= x >> 30; x *= 0xBF58476D1CE4E5B9; x ^= x >> 27; x *= 0x94D049BB133111EB; x ^= x >> 31
+    u = ((x >> 40) + 0.5) / 2**24            (float32, strictly inside (0, 1))
+    gumbel = -log(-log(u))
+and a sampled token is argmax over allowed tokens of (logits / temperature + gumbel), ties to the
+lowest index. `offset` is the index of the output token being sampled (0 for the first).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+Array = Any  # numpy.ndarray on the numpy backend, cupy.ndarray on CUDA
+
+
+class Backend(Protocol):
+    name: str  # "numpy" | "cuda"
+
+    # ---- memory -------------------------------------------------------------------------
+    def upload(self, host: np.ndarray) -> Array:
+        """A weight (float32, float16 or ml_dtypes.bfloat16 host array) -> act array, persistent."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Array:
+        """Persistent zeroed buffer; dtype "act" | "f32" | "i32" | "i64" | "u8"."""
+
+    def from_host(self, host: np.ndarray, dtype: str) -> Array:
+        """Persistent copy of a host array as dtype "act" | "f32" | "i32" | "u8" (tests, setup)."""
+
+    def to_host(self, x: Array) -> np.ndarray:
+        """Synchronous copy back; act arrays come back as float32."""
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """Host staging buffer (page-locked on CUDA, plain numpy otherwise), allocated once."""
+
+    def copy_h2d(self, dst: Array, src: np.ndarray) -> None:
+        """Asynchronous on the current stream; src[:n] into dst[:n] for matching leading sizes."""
+
+    def copy_d2h(self, dst: np.ndarray, src: Array) -> None:
+        """Asynchronous on the current stream into a pinned buffer."""
+
+    # ---- model ops ----------------------------------------------------------------------
+    def embed(self, ids: Array, table: Array) -> Array:
+        """ids i32[T], table act[V, H] -> act[T, H]."""
+
+    def rms_norm(self, x: Array, weight: Array, eps: float, residual: Array | None) -> tuple[Array, Array]:
+        """r = x + residual (or x); returns (r * rsqrt(mean(r**2) + eps) * weight, r). Stats in fp32."""
+
+    def head_rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """Per-head RMS norm (Qwen3 q/k norm): x act[T, N, D], weight act[D] -> act[T, N, D]."""
+
+    def linear(self, x: Array, w: Array, bias: Array | None) -> Array:
+        """x act[T, K], w act[N, K], bias act[N] -> act[T, N] = x @ w.T + bias, fp32 accumulation."""
+
+    def rope(self, q: Array, k: Array, positions: Array, inv_freq: Array) -> None:
+        """In place, neox style (rotate halves): q act[T, Hq, D], k act[T, Hk, D], positions i32[T],
+        inv_freq f32[D // 2]; angle = position * inv_freq[i], computed in fp32."""
+
+    def write_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+        """In place: k, v act[T, Hk, D] into caches act[NB, BS, Hk, D] at flat slot
+        slot_mapping[t] = block * BS + offset; a negative slot is skipped (padding)."""
+
+    def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
+                  seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
+                  max_seq_len: int) -> Array:
+        """Causal attention of a ragged batch over the paged cache -> act[T, Hq, D].
+        Sequence b owns query rows query_start_loc[b] : query_start_loc[b + 1] (L_b rows); its
+        context is seq_lens[b] tokens, found through block_tables i32[B, max_blocks]. Query row j
+        of b sits at position seq_lens[b] - L_b + j and attends to positions 0..itself.
+        GQA: query head h reads kv head h // (Hq // Hk). Softmax in fp32."""
+
+    def silu_mul(self, x: Array) -> Array:
+        """x act[T, 2I] -> act[T, I] = silu(x[:, :I]) * x[:, I:]."""
+
+    def gather_rows(self, x: Array, idx: Array) -> Array:
+        """x act[T, H], idx i32[B] -> act[B, H]."""
+
+    def logits(self, x: Array, w: Array) -> Array:
+        """x act[B, H], lm_head act[V, H] -> f32[B, V]."""
+
+    # ---- step plumbing --------------------------------------------------------------------
+    def fill_from_last(self, input_ids: Array, src_rows: Array, last_tokens: Array) -> None:
+        """In place: input_ids[t] = last_tokens[src_rows[t]] where src_rows[t] >= 0 (i32 arrays)."""
+
+    # ---- sampling -------------------------------------------------------------------------
+    def log_softmax_topk(self, logits: Array, ids: Array, k: int) -> tuple[Array, Array, Array]:
+        """Raw model logprobs: logits f32[B, V], ids i32[B] -> (logprob of ids f32[B],
+        top ids i32[B, k], top logprobs f32[B, k]) sorted descending, ties to the lower id; k >= 0."""
+
+    def penalize(self, logits: Array, rows: Array, out_counts: Array, prompt_mask: Array,
+                 presence: Array, frequency: Array, repetition: Array) -> None:
+        """In place, vLLM's semantics. For batch row b with r = rows[b] (skip if r < 0):
+        repetition (f32[B], 1 = off): tokens seen in prompt (prompt_mask u8[R, V]) or output
+        (out_counts i32[R, V] > 0) get logit / rep if logit > 0 else logit * rep;
+        then logit -= frequency[b] * count + presence[b] * (count > 0)."""
+
+    def ban_tokens(self, logits: Array, ban: Array) -> None:
+        """In place: logits[b, ban[b, j]] = -inf for every ban[b, j] >= 0 (ban i32[B, E])."""
+
+    def sample(self, logits: Array, temperature: Array, top_k: Array, top_p: Array, min_p: Array,
+               seeds: Array, offsets: Array) -> Array:
+        """-> i32[B]. temperature f32[B]: < 1e-5 means greedy (argmax, ties to lowest id).
+        Otherwise on l = logits / T: keep tokens with l >= k-th largest (top_k i32, <= 0 = off),
+        then those whose probability-sorted prefix mass before them is < top_p (f32, 1 = off),
+        then those with p >= min_p * max p (f32, 0 = off); pick by the Gumbel rule in this
+        module's docstring with seeds (u64 as i64[B]) and offsets i32[B]."""
+
+    def record_sampled(self, last_tokens: Array, out_counts: Array, rows: Array, ids: Array) -> None:
+        """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 (rows[b] >= 0)."""
+
+    # ---- async plumbing (the runner's view of streams, arenas and graphs) ------------------
+    def num_slots(self) -> int:
+        """How many steps may be in flight: 2 (one stream, arena and event set each)."""
+
+    def slot(self, i: int) -> Any:
+        """Context manager: while open, ops run on slot i's stream and take outputs from slot i's
+        arena (reset on entry). numpy: a no-op context."""
+
+    def after(self, i: int, j: int) -> None:
+        """Make slot i's stream wait for everything enqueued so far on slot j (no host sync)."""
+
+    def record(self, i: int) -> None:
+        """Record slot i's completion event after its enqueued work."""
+
+    def done(self, i: int) -> bool:
+        """Has slot i's recorded event completed? Never blocks."""
+
+    def wait(self, i: int) -> None:
+        """Block the calling thread until slot i's recorded event completed."""
+
+    def capture(self, i: int, fn: Any) -> Any:
+        """Capture fn() (ops on slot i's stream and arena, static buffers only) into a replayable
+        object with .replay() that re-runs the same work on slot i's stream; numpy returns an
+        object whose replay() calls fn()."""

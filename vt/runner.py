@@ -1,0 +1,431 @@
+"""ModelRunner: ScheduledBatch -> staged inputs -> forward -> sample -> sampled ids on the host.
+
+The runner speaks only of arrays. Each of the backend's slots (two) owns its own staging buffers
+(pinned on CUDA), device input buffers and output buffers, so that step N+1 can be prepared and
+launched while step N still runs. Per-request sampler state (the last sampled token, output
+token counts, the prompt-token mask) lives on the device in one row per running request; a
+decode whose input token is not yet on the host reads it from `last_tokens[row]`, which the
+previous step's sampler wrote (stream order makes that safe).
+
+Numpy backend: the device part of a step runs in one worker thread, in launch order.
+CUDA backend: it is enqueued on the slot's stream from the calling thread; a waiter thread
+blocks on the slot's event so that completion reaches the event loop without blocking it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vt.config import EngineConfig, ModelConfig
+from vt.kernels.base import Backend
+from vt.model.batch import ForwardBatch
+from vt.model.loader import load_weights
+from vt.model.transformer import Transformer
+from vt.sampling import SamplingParams
+from vt.sched.output import ScheduledBatch
+
+MAX_LOGPROBS = 20
+MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    step_id: int
+    sampled: tuple[SampledToken, ...]   # one per sequence of the batch with sample=True
+    launch_time: float
+    done_time: float
+
+
+@dataclass
+class _Row:
+    index: int
+    params: SamplingParams
+    eos_ids: tuple[int, ...]
+    penalized: bool
+
+
+class _SlotBuffers:
+    """Host staging and device inputs/outputs of one slot, allocated once."""
+
+    def __init__(self, ops: Backend, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        def pair(shape: tuple[int, ...], np_dtype: Any, dtype: str) -> tuple[np.ndarray, Any]:
+            return ops.pinned_empty(shape, np_dtype), ops.zeros(shape, dtype)
+
+        i32, f32 = np.int32, np.float32
+        self.input_ids = pair((max_tokens,), i32, "i32")
+        self.src_rows = pair((max_tokens,), i32, "i32")
+        self.positions = pair((max_tokens,), i32, "i32")
+        self.slot_mapping = pair((max_tokens,), i32, "i32")
+        self.query_start_loc = pair((max_seqs + 1,), i32, "i32")
+        self.seq_lens = pair((max_seqs,), i32, "i32")
+        self.logits_indices = pair((max_seqs,), i32, "i32")
+        self.block_tables = pair((max_seqs * max_blocks,), i32, "i32")
+        self.sample_rows = pair((max_seqs,), i32, "i32")
+        self.temperature = pair((max_seqs,), f32, "f32")
+        self.top_k = pair((max_seqs,), i32, "i32")
+        self.top_p = pair((max_seqs,), f32, "f32")
+        self.min_p = pair((max_seqs,), f32, "f32")
+        self.seeds = ops.pinned_empty((max_seqs,), np.int64), ops.zeros((max_seqs,), "i64")
+        self.offsets = pair((max_seqs,), i32, "i32")
+        self.presence = pair((max_seqs,), f32, "f32")
+        self.frequency = pair((max_seqs,), f32, "f32")
+        self.repetition = pair((max_seqs,), f32, "f32")
+        self.ban = pair((max_seqs * MAX_BANNED,), i32, "i32")
+        self.out_ids = ops.pinned_empty((max_seqs,), i32)
+        self.out_logprob = ops.pinned_empty((max_seqs,), f32)
+        self.out_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
+        self.out_top_lp = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), f32)
+
+
+class StepHandle:
+    """A launched step. `wait()` (async) or `result()` (blocking) gives its StepOutput."""
+
+    def __init__(self, runner: ModelRunner, step_id: int, slot: int, plan: _Plan,
+                 future: concurrent.futures.Future) -> None:
+        self.runner, self.step_id, self.slot, self.plan = runner, step_id, slot, plan
+        self.future = future
+        self.launch_time = time.monotonic()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> StepOutput:
+        self.future.result()  # re-raises a failure of the step
+        return self.runner._collect(self)
+
+    async def wait(self) -> StepOutput:
+        import asyncio
+
+        await asyncio.wrap_future(self.future)
+        return self.runner._collect(self)
+
+
+@dataclass
+class _Plan:
+    """Host-side facts about a launched step that the collector needs."""
+
+    sample_req: list[tuple[int, str]]   # (batch row, request id) of sampling sequences
+    logprobs_k: int
+    num_seqs: int
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, ops: Backend, max_model_len: int) -> None:
+        self.model_cfg, self.cfg, self.ops = model_cfg, cfg, ops
+        self.max_model_len = max_model_len
+        self.block_size = cfg.block_size
+        weights = load_weights(cfg.model, model_cfg)
+        self.model = Transformer(model_cfg, weights, ops)
+        del weights
+        self.num_blocks = self._size_kv()
+        self.kv = self.model.allocate_kv(self.num_blocks, self.block_size)
+        self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.max_seqs = cfg.max_num_seqs
+        self.max_blocks = -(-max_model_len // self.block_size)
+        vocab = model_cfg.vocab_size
+        rows = cfg.max_num_seqs
+        self.last_tokens = ops.zeros((rows,), "i32")
+        self.out_counts = ops.zeros((rows, vocab), "i32")
+        self.prompt_mask = ops.zeros((rows, vocab), "u8")
+        self.inv_freq = ops.from_host(model_cfg.inv_freq(), "f32")
+        self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks)
+                      for _ in range(ops.num_slots())]
+        self.rows: dict[str, _Row] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.step_id = 0
+        self.prev_slot: int | None = None
+        # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.use_graphs = ops.name == "cuda" and not cfg.enforce_eager
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _size_kv(self) -> int:
+        cfg, mc = self.cfg, self.model_cfg
+        per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, 2 if self.ops.name == "cuda" else 4)
+        if cfg.num_gpu_blocks is not None:
+            if cfg.num_gpu_blocks < 1:
+                raise ValueError("--num-gpu-blocks must be at least 1")
+            return cfg.num_gpu_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.ops.name == "cuda" and hasattr(self.ops, "mem_info"):
+            free, total = self.ops.mem_info()
+            reserve = total * (1.0 - cfg.gpu_memory_utilization) + 2 * 1024**3  # workspaces, sampler rows
+            budget = int(free - reserve)
+        else:
+            # CPU: enough for every sequence at full length, capped at 1 GiB.
+            need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4)
+            budget = min(need, 1024**3)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"no memory left for the KV cache ({budget} bytes, {per_block} per block)")
+        return int(blocks)
+
+    # ---- rows ---------------------------------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.free_rows.append(row.index)
+
+    def _admit(self, request_id: str, new: Any, eos_ids: tuple[int, ...]) -> _Row:
+        self.release(request_id)
+        if not self.free_rows:
+            raise RuntimeError("no free sampler row (more running requests than max_num_seqs)")
+        p = new.params
+        penalized = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0)
+        row = _Row(self.free_rows.pop(), p, eos_ids, penalized)
+        self.rows[request_id] = row
+        return row
+
+    def _init_penalty_row(self, row: _Row, new: Any) -> None:
+        """Rebuild a row's prompt mask and output counts (device work on the current slot)."""
+        ops = self.ops
+        self.out_counts[row.index].fill(0)
+        self.prompt_mask[row.index].fill(0)
+        if new.prompt_token_ids:
+            ids = ops.from_host(np.asarray(sorted(set(new.prompt_token_ids)), np.int32), "i32")
+            self.prompt_mask[row.index, ids] = 1
+        if new.output_token_ids:
+            n = len(new.output_token_ids)
+            scratch = ops.zeros((self.max_seqs,), "i32")
+            ops.record_sampled(scratch, self.out_counts,
+                               ops.from_host(np.full(n, row.index, np.int32), "i32"),
+                               ops.from_host(np.asarray(new.output_token_ids, np.int32), "i32"))
+
+    # ---- a step -----------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch, eos_for: Any) -> StepHandle:
+        """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
+        token ids that min_tokens keeps banned."""
+        for rid in batch.released:
+            self.release(rid)
+        slot = self.step_id % len(self.slots)
+        buf = self.slots[slot]
+        seqs = batch.seqs
+        nseq = len(seqs)
+        bs = self.block_size
+        ids_h, src_h, pos_h, slot_h = (buf.input_ids[0], buf.src_rows[0], buf.positions[0],
+                                       buf.slot_mapping[0])
+        qsl_h, lens_h, li_h = buf.query_start_loc[0], buf.seq_lens[0], buf.logits_indices[0]
+        penalty_inits = []
+        sample_req: list[tuple[int, str]] = []
+        logprobs_k = 0
+        any_penalty = any_ban = False
+        decode_only = True
+        mb = max(len(s.block_ids) for s in seqs)
+        bt_h = buf.block_tables[0][: nseq * mb].reshape(nseq, mb)
+        bt_h.fill(0)
+        ban_h = buf.ban[0][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED)
+        t = 0
+        qsl_h[0] = 0
+        for b, s in enumerate(seqs):
+            if s.new is not None:
+                row = self._admit(s.request_id, s.new, eos_for(s.request_id))
+                decode_only = False
+                if row.penalized:
+                    penalty_inits.append((row, s.new))
+            else:
+                row = self.rows[s.request_id]
+            n = s.num_tokens
+            if n != 1 or not s.from_last:
+                decode_only = False
+            if s.from_last:
+                ids_h[t] = 0
+                src_h[t] = row.index
+            else:
+                ids_h[t:t + n] = s.token_ids
+                src_h[t:t + n] = -1
+            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
+            pos_h[t:t + n] = pos
+            blocks = np.asarray(s.block_ids, dtype=np.int32)
+            slot_h[t:t + n] = blocks[pos // bs] * bs + pos % bs
+            bt_h[b, : len(blocks)] = blocks
+            t += n
+            qsl_h[b + 1] = t
+            lens_h[b] = s.start_pos + n
+            li_h[b] = t - 1
+            p = row.params
+            buf.temperature[0][b] = p.temperature
+            buf.top_k[0][b] = p.top_k if p.top_k > 0 else 0
+            buf.top_p[0][b] = p.top_p
+            buf.min_p[0][b] = p.min_p
+            buf.seeds[0][b] = np.uint64(p.seed if p.seed is not None else 0).astype(np.int64)
+            buf.offsets[0][b] = s.output_index
+            buf.presence[0][b] = p.presence_penalty
+            buf.frequency[0][b] = p.frequency_penalty
+            buf.repetition[0][b] = p.repetition_penalty
+            ban_h[b].fill(-1)
+            if s.sample:
+                buf.sample_rows[0][b] = row.index
+                sample_req.append((b, s.request_id))
+                if p.logprobs is not None:
+                    logprobs_k = max(logprobs_k, p.logprobs, 1)
+                any_penalty |= row.penalized
+                if s.output_index < p.min_tokens and row.eos_ids:
+                    banned = row.eos_ids[:MAX_BANNED]
+                    ban_h[b, : len(banned)] = banned
+                    any_ban = True
+            else:
+                buf.sample_rows[0][b] = -1
+        plan = _Plan(sample_req, logprobs_k, nseq)
+        graph_ok = (self.use_graphs and decode_only and not penalty_inits and not any_penalty
+                    and not any_ban and logprobs_k == 0)
+        step = dict(slot=slot, ntok=t, nseq=nseq, mb=mb, penalty_inits=penalty_inits,
+                    logprobs_k=logprobs_k, any_penalty=any_penalty, any_ban=any_ban,
+                    max_query_len=max(s.num_tokens for s in seqs),
+                    max_seq_len=max(s.start_pos + s.num_tokens for s in seqs), graph=graph_ok)
+        self.step_id += 1
+        if self.ops.name == "numpy":
+            future = self.worker.submit(self._device_step, step)
+        else:
+            self._device_step(step)
+            future = self.worker.submit(self.ops.wait, slot)
+        return StepHandle(self, self.step_id - 1, slot, plan, future)
+
+    def _device_step(self, st: dict) -> None:
+        ops = self.ops
+        slot, ntok, nseq, mb = st["slot"], st["ntok"], st["nseq"], st["mb"]
+        buf = self.slots[slot]
+        with ops.slot(slot):
+            if self.prev_slot is not None and self.prev_slot != slot:
+                ops.after(slot, self.prev_slot)
+            self.prev_slot = slot
+            if st["graph"]:
+                self._replay_decode(slot, nseq)
+            else:
+                for row, new in st["penalty_inits"]:
+                    self._init_penalty_row(row, new)
+                fb = self._stage(buf, ntok, nseq, mb, st["max_query_len"], st["max_seq_len"])
+                self._forward_sample(buf, fb, nseq, st["logprobs_k"], st["any_penalty"], st["any_ban"])
+            ops.record(slot)
+
+    def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
+               max_seq_len: int) -> ForwardBatch:
+        ops = self.ops
+
+        def up(pair: tuple[np.ndarray, Any], n: int) -> Any:
+            ops.copy_h2d(pair[1][:n], pair[0][:n])
+            return pair[1][:n]
+
+        ids = up(buf.input_ids, ntok)
+        src = up(buf.src_rows, ntok)
+        ops.fill_from_last(ids, src, self.last_tokens)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "offsets", "presence",
+                     "frequency", "repetition", "sample_rows"):
+            up(getattr(buf, name), nseq)
+        up(buf.ban, nseq * MAX_BANNED)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=up(buf.positions, ntok),
+            slot_mapping=up(buf.slot_mapping, ntok),
+            query_start_loc=up(buf.query_start_loc, nseq + 1),
+            seq_lens=up(buf.seq_lens, nseq),
+            block_tables=up(buf.block_tables, nseq * mb).reshape(nseq, mb),
+            logits_indices=up(buf.logits_indices, nseq),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+    def _forward_sample(self, buf: _SlotBuffers, fb: ForwardBatch, nseq: int, logprobs_k: int,
+                        any_penalty: bool, any_ban: bool) -> None:
+        ops = self.ops
+        logits = self.model.forward(fb, self.kv)
+        rows = buf.sample_rows[1][:nseq]
+        if any_penalty:
+            ops.penalize(logits, rows, self.out_counts, self.prompt_mask, buf.presence[1][:nseq],
+                         buf.frequency[1][:nseq], buf.repetition[1][:nseq])
+        if any_ban:
+            ops.ban_tokens(logits, buf.ban[1][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED))
+        ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
+                         buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
+        ops.record_sampled(self.last_tokens, self.out_counts, rows, ids)
+        ops.copy_d2h(buf.out_ids[:nseq], ids)
+        if logprobs_k:
+            lp, top_ids, top_lp = ops.log_softmax_topk(logits, ids, logprobs_k)
+            ops.copy_d2h(buf.out_logprob[:nseq], lp)
+            ops.copy_d2h(buf.out_top_ids[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_ids)
+            ops.copy_d2h(buf.out_top_lp[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_lp)
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------
+    def _graph_size(self, nseq: int) -> int | None:
+        for size in GRAPH_SIZES:
+            if size >= nseq and size <= self.max_seqs:
+                return size
+        return None
+
+    def _replay_decode(self, slot: int, nseq: int) -> None:
+        """Pad a decode-only batch to a captured size and replay its graph."""
+        size = self._graph_size(nseq)
+        buf = self.slots[slot]
+        if size is None:
+            fb = self._stage(buf, nseq, nseq, self.max_blocks, 1, self.max_model_len)
+            self._forward_sample(buf, fb, nseq, 0, False, False)
+            return
+        self._pad_decode(buf, nseq, size)
+        key = (slot, size)
+        graph = self.graphs.get(key)
+        if graph is None:
+            def run() -> None:
+                fb = self._stage_static(buf, size)
+                self._forward_sample(buf, fb, size, 0, False, False)
+            run()  # warm: compile kernels and settle the arena layout before capture
+            graph = self.ops.capture(slot, run)
+            self.graphs[key] = graph
+        graph.replay()
+
+    def _pad_decode(self, buf: _SlotBuffers, nseq: int, size: int) -> None:
+        """Rows nseq..size-1 become harmless: no KV write, one context token, no sampler row."""
+        mb = max(1, int(buf.seq_lens[0][:nseq].max() + self.block_size - 1) // self.block_size)
+        # Re-lay the block table at the static stride the graph reads.
+        src = buf.block_tables[0][: nseq * mb].reshape(nseq, mb).copy()
+        full = buf.block_tables[0][: size * self.max_blocks].reshape(size, self.max_blocks)
+        full.fill(0)
+        full[:nseq, :mb] = src
+        for name, value in (("input_ids", 0), ("src_rows", -1), ("positions", 0), ("slot_mapping", -1)):
+            getattr(buf, name)[0][nseq:size] = value
+        buf.seq_lens[0][nseq:size] = 1
+        buf.query_start_loc[0][nseq + 1: size + 1] = np.arange(nseq + 1, size + 1, dtype=np.int32)
+        buf.logits_indices[0][nseq:size] = np.arange(nseq, size, dtype=np.int32)
+        buf.sample_rows[0][nseq:size] = -1
+        buf.temperature[0][nseq:size] = 0.0
+        buf.top_k[0][nseq:size] = 0
+        buf.top_p[0][nseq:size] = 1.0
+        buf.min_p[0][nseq:size] = 0.0
+        buf.seeds[0][nseq:size] = 0
+        buf.offsets[0][nseq:size] = 0
+
+    def _stage_static(self, buf: _SlotBuffers, size: int) -> ForwardBatch:
+        return self._stage(buf, size, size, self.max_blocks, 1, self.max_model_len)
+
+    # ---- results ------------------------------------------------------------------------------
+    def _collect(self, h: StepHandle) -> StepOutput:
+        buf = self.slots[h.slot]
+        k = h.plan.logprobs_k
+        ids = buf.out_ids
+        out = []
+        for b, rid in h.plan.sample_req:
+            if k:
+                top_ids = buf.out_top_ids[b * k:(b + 1) * k]
+                top_lp = buf.out_top_lp[b * k:(b + 1) * k]
+                top = tuple((int(i), float(v)) for i, v in zip(top_ids, top_lp))
+                out.append(SampledToken(rid, int(ids[b]), float(buf.out_logprob[b]), top))
+            else:
+                out.append(SampledToken(rid, int(ids[b]), None, None))
+        return StepOutput(h.step_id, tuple(out), h.launch_time, time.monotonic())
+
+    def shutdown(self) -> None:
+        self.worker.shutdown(wait=True)
