@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # bench parses its own flags (argparse REMAINDER rejects leading dashes)
+        from vt.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -107,10 +112,6 @@ def main(argv: list[str] | None = None) -> int:
             out = make_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
             print(f"vt: wrote {args.preset} {args.arch} checkpoint to {out}")
             return 0
-        if args.command == "bench":
-            from vt.bench import main as bench_main
-
-            return bench_main(args.rest)
         if args.command == "serve" and args.model_pos is not None:
             if args.model is not None and args.model != args.model_pos:
                 parser.error("give the model either as MODEL or as --model, not both")

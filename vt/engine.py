@@ -28,6 +28,7 @@ from vt.stats import EngineStats
 from vt.tokenizer import DetokStream, Tokenizer
 
 log = logging.getLogger("vt.engine")
+MAX_CONSECUTIVE_FAILURES = 3  # failed steps in a row after which the device counts as unusable
 
 
 class PromptTooLongError(ValueError):
@@ -143,6 +144,7 @@ class AsyncEngine:
         self.record_events = False
         self.events: collections.deque[StepEvent] = collections.deque(maxlen=100_000)
         self._inflight: collections.deque[StepHandle] = collections.deque()
+        self._step_rids: dict[int, list[str]] = {}  # step id -> request ids of its sequences
         self._last_done: float | None = None
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
@@ -173,6 +175,7 @@ class AsyncEngine:
             except Exception:
                 pass
         self._inflight.clear()
+        self._step_rids.clear()
         self.runner.shutdown()
 
     @property
@@ -248,6 +251,29 @@ class AsyncEngine:
 
     # ---- the scheduler coroutine -------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as exc:
+            # A bug past the step boundary (processing, scheduling): no request may wait forever on
+            # a loop that is gone, so fail them all and report the engine dead.
+            log.exception("the scheduler loop crashed")
+            self._mark_dead(exc)
+
+    def _mark_dead(self, exc: BaseException) -> None:
+        self._dead = f"{type(exc).__name__}: {exc}"
+        log.error("engine marked dead: %s", self._dead)
+        msg = f"the engine stopped after an error: {self._dead}"
+        for rid, state in list(self._states.items()):
+            try:
+                self._finish(state, RequestStatus.FINISHED_ABORTED, "error", None, "", error=msg)
+            except Exception:  # the scheduler itself may be what broke: still end the stream
+                self._states.pop(rid, None)
+                req = state.request
+                state.queue.put_nowait(RequestOutput(
+                    rid, "", (), None, True, "error", None, len(req.prompt_token_ids),
+                    len(req.output_token_ids), req.num_cached_tokens, msg))
+
+    async def _loop(self) -> None:
         inflight = self._inflight
         while True:
             launched = False
@@ -261,9 +287,13 @@ class AsyncEngine:
                         h = self.runner.execute(batch, self._eos_for)
                     except Exception as exc:  # staging failed: fail this batch's requests
                         log.exception("step launch failed")
-                        self._fail_requests([s.request_id for s in batch.seqs], exc)
+                        # On CUDA the launch runs the device work inline: its errors count too.
+                        self._step_failed([s.request_id for s in batch.seqs], exc)
                         continue
                     inflight.append(h)
+                    # Every sequence of the step, not only the sampling ones: a failed prefill chunk
+                    # leaves its KV unwritten, so its request cannot go on either.
+                    self._step_rids[h.step_id] = [s.request_id for s in batch.seqs]
                     launched = True
                     if self.record_events:
                         self.events.append(StepEvent("launch", h.step_id))
@@ -272,11 +302,12 @@ class AsyncEngine:
                         self.runner.release(rid)
             if inflight and (not launched or len(inflight) >= self.depth):
                 h = inflight.popleft()
+                step_rids = self._step_rids.pop(h.step_id, [])
                 try:
                     out = await h.wait()
                 except Exception as exc:
                     log.exception("step %d failed", h.step_id)
-                    self._step_failed(h, exc)
+                    self._step_failed(step_rids, exc)
                     continue
                 self._consecutive_failures = 0
                 self._last_done = time.monotonic()
@@ -299,14 +330,11 @@ class AsyncEngine:
             else:
                 await asyncio.sleep(0)  # let HTTP callbacks run between launches
 
-    def _step_failed(self, h: StepHandle, exc: BaseException) -> None:
+    def _step_failed(self, rids: list[str], exc: BaseException) -> None:
         self._consecutive_failures += 1
-        rids = [rid for _, rid in h.plan.sample_req]
         self._fail_requests(rids, exc)
-        if self._consecutive_failures >= 3:
-            self._dead = f"{type(exc).__name__}: {exc}"
-            log.error("engine marked dead after repeated step failures: %s", self._dead)
-            self._fail_requests(list(self._states), exc)
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            self._mark_dead(exc)
 
     def _fail_requests(self, rids: list[str], exc: BaseException) -> None:
         msg = f"the engine step failed: {type(exc).__name__}: {exc}"

@@ -305,7 +305,7 @@ class ModelRunner:
                 ops.after(slot, self.prev_slot)
             self.prev_slot = slot
             if st["graph"]:
-                self._replay_decode(slot, nseq)
+                self._replay_decode(slot, nseq, mb)
             else:
                 for row, new in st["penalty_inits"]:
                     self._init_penalty_row(row, new)
@@ -367,29 +367,29 @@ class ModelRunner:
                 return size
         return None
 
-    def _replay_decode(self, slot: int, nseq: int) -> None:
+    def _replay_decode(self, slot: int, nseq: int, mb: int) -> None:
         """Pad a decode-only batch to a captured size and replay its graph."""
         size = self._graph_size(nseq)
         buf = self.slots[slot]
         if size is None:
-            fb = self._stage(buf, nseq, nseq, self.max_blocks, 1, self.max_model_len)
+            fb = self._stage(buf, nseq, nseq, mb, 1, self.max_model_len)
             self._forward_sample(buf, fb, nseq, 0, False, False)
             return
-        self._pad_decode(buf, nseq, size)
+        self._pad_decode(buf, nseq, mb, size)
         key = (slot, size)
         graph = self.graphs.get(key)
         if graph is None:
             def run() -> None:
                 fb = self._stage_static(buf, size)
                 self._forward_sample(buf, fb, size, 0, False, False)
-            run()  # warm: compile kernels and settle the arena layout before capture
+            # No warm-up run: a step reads and writes last_tokens, so running it twice would feed
+            # the sampled token back in. Kernels and cuBLAS handles exist from backend start.
             graph = self.ops.capture(slot, run)
             self.graphs[key] = graph
         graph.replay()
 
-    def _pad_decode(self, buf: _SlotBuffers, nseq: int, size: int) -> None:
+    def _pad_decode(self, buf: _SlotBuffers, nseq: int, mb: int, size: int) -> None:
         """Rows nseq..size-1 become harmless: no KV write, one context token, no sampler row."""
-        mb = max(1, int(buf.seq_lens[0][:nseq].max() + self.block_size - 1) // self.block_size)
         # Re-lay the block table at the static stride the graph reads.
         src = buf.block_tables[0][: nseq * mb].reshape(nseq, mb).copy()
         full = buf.block_tables[0][: size * self.max_blocks].reshape(size, self.max_blocks)

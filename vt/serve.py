@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from vt.config import EngineConfig
 from vt.engine import AsyncEngine
@@ -24,30 +25,57 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     server = HttpServer(app.handle, limits or HttpLimits())
     app.server = server
     await server.start(host, port)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"vt: serving {served_model_name} on http://{shown}:{server.port}", flush=True)
-    print(f"vt: serving on http://{shown}:{server.port}", flush=True)
+    # Handlers first: a SIGTERM sent as soon as the banner appears must still shut down cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"vt: serving {served_model_name} on http://{shown}:{server.port}", flush=True)
+    print(f"vt: serving on http://{shown}:{server.port}", flush=True)
     await stop.wait()
     print("vt: shutting down", flush=True)
     # Stop accepting, let in-flight requests finish within the timeout, then abort the rest.
-    closing = asyncio.create_task(server.close(shutdown_timeout))
+    # The server waits a little longer than the engine so the aborted streams' last chunks go out.
+    closing = asyncio.create_task(server.close(shutdown_timeout + 1.0))
     await engine.stop(shutdown_timeout)
     await closing
     return 0
 
 
+# environment variable -> (HttpLimits field, type); read until the CLI grows the matching flags
+_LIMIT_ENV = {
+    "VT_HTTP_HEADER_TIMEOUT": ("header_timeout_s", float),
+    "VT_HTTP_KEEPALIVE_TIMEOUT": ("keepalive_timeout_s", float),
+    "VT_MAX_CONNECTIONS": ("max_connections", int),
+    "VT_MAX_BODY_BYTES": ("max_body_bytes", int),
+}
+
+
+def limits_from_env(env: Mapping[str, str] | None = None, **overrides: float | int | None) -> HttpLimits:
+    """HttpLimits from VT_* environment variables; keyword overrides (CLI flags) win when not None."""
+    env = os.environ if env is None else env
+    values: dict[str, float | int] = {}
+    for var, (name, kind) in _LIMIT_ENV.items():
+        raw = env.get(var)
+        if raw:
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{var} must be a {kind.__name__}, got {raw!r}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return HttpLimits(**values)  # validates: every value must be positive
+
+
 def run_server(cfg: EngineConfig, host: str, port: int, served_model_name: str, api_key: str | None,
-               shutdown_timeout: float) -> int:
+               shutdown_timeout: float, limits: HttpLimits | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         uvloop = None
     api_key = api_key or os.environ.get("VT_API_KEY") or None
-    coro = serve(cfg, host, port, served_model_name, api_key, shutdown_timeout)
+    coro = serve(cfg, host, port, served_model_name, api_key, shutdown_timeout,
+                 limits if limits is not None else limits_from_env())
     if uvloop is not None:
         return uvloop.run(coro)
     return asyncio.run(coro)

@@ -1,0 +1,163 @@
+"""Decode-step time of the real runner path (staging, graphs, sampling) against the HBM floor.
+
+    python3 bench/decode_step.py --preset 0.6b --batches 1,32,128,256 --context 512
+
+Weights are random bf16 drawn from one pool (timing does not depend on values), so no checkpoint
+is written. The floor is (weight bytes + KV bytes read) / bandwidth (4.25 TB/s measured copy rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+PRESETS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+BANDWIDTH = 4.25e12
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def write_config(folder: Path, preset: str) -> None:
+    cfg = dict(PRESETS[preset], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+               max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu",
+               attention_bias=False, torch_dtype="bfloat16", eos_token_id=2, bos_token_id=1)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+class RandomWeights(Mapping):
+    """Every tensor a slice of one random bf16 pool (std ~0.02), made on access."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+        self.shapes = shapes
+        rng = np.random.default_rng(seed)
+        self.pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self.shapes[name]
+        n = int(np.prod(shape))
+        reps = -(-n // self.pool.size)
+        flat = np.tile(self.pool, reps)[:n] if reps > 1 else self.pool[:n]
+        if "norm" in name:
+            return np.ones(shape, ml_dtypes.bfloat16)
+        return flat.reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda"):
+    import vt.runner as runner_mod
+    from vt.config import EngineConfig, ModelConfig
+    from vt.kernels import get_backend
+    from vt.model.loader import expected_shapes
+
+    folder = Path(tempfile.mkdtemp())
+    write_config(folder, preset)
+    mc = ModelConfig.from_dir(folder)
+    weights = RandomWeights(dict(expected_shapes(mc)))
+    blocks = max_seqs * (-(-(context + 8) // 16)) + 16
+    ec = EngineConfig(model=str(folder), device=device, max_num_seqs=max_seqs,
+                      max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
+                      enforce_eager=enforce_eager, max_model_len=context + 64)
+    original = runner_mod.load_weights
+    runner_mod.load_weights = lambda *_: weights
+    try:
+        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), context + 64)
+    finally:
+        runner_mod.load_weights = original
+    return runner, mc
+
+
+def decode_batches(batch: int, context: int, steps: int):
+    """First a step that admits every row (eager), then `steps` decode-only steps (graphable)."""
+    from vt.sampling import SamplingParams
+    from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
+
+    nb = -(-(context + steps + 2) // 16)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0)
+    tables = [tuple(range(b * nb, (b + 1) * nb)) for b in range(batch)]
+    first = ScheduledBatch(tuple(
+        ScheduledSeq(f"r{b}", context - 1, 1, (5,), False, tables[b], True, 0,
+                     NewRequestData((5,) * 4, (), params)) for b in range(batch)), (), batch)
+    yield first
+    for i in range(steps):
+        yield ScheduledBatch(tuple(
+            ScheduledSeq(f"r{b}", context + i, 1, (), True, tables[b], True, i + 1, None)
+            for b in range(batch)), (), batch)
+
+
+def floor_seconds(mc, batch: int, context: int) -> float:
+    from vt.model.loader import expected_shapes
+
+    weight_bytes = sum(int(np.prod(s)) * 2 for s in dict(expected_shapes(mc)).values())
+    kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    return (weight_bytes + kv) / BANDWIDTH
+
+
+def time_decode(runner, batch: int, context: int, steps: int, pipelined: bool) -> float:
+    gen = decode_batches(batch, context, steps)
+    eos = lambda _rid: ()  # noqa: E731
+    runner.execute(next(gen), eos).result()
+    warm = 5
+    handles = []
+    t0 = 0.0
+    for i, b in enumerate(gen):
+        if i == warm:
+            while handles:
+                handles.pop(0).result()
+            t0 = time.perf_counter()
+        handles.append(runner.execute(b, eos))
+        if len(handles) >= (2 if pipelined else 1):
+            handles.pop(0).result()
+    while handles:
+        handles.pop(0).result()
+    for b in range(batch):
+        runner.release(f"r{b}")
+    return (time.perf_counter() - t0) / (steps - warm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="0.6b", choices=list(PRESETS))
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--modes", default="graph,eager")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "numpy"])
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    rows = []
+    for mode in args.modes.split(","):
+        runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device)
+        for b in batches:
+            floor = floor_seconds(mc, b, args.context)
+            for pipelined in (False, True):
+                t = time_decode(runner, b, args.context, args.steps, pipelined)
+                row = dict(preset=args.preset, mode=mode, depth=2 if pipelined else 1, batch=b,
+                           context=args.context, step_ms=t * 1e3, floor_ms=floor * 1e3, ratio=t / floor)
+                rows.append(row)
+                print(f"| {args.preset} | {mode} | depth {row['depth']} | {b} | {args.context} | "
+                      f"{row['step_ms']:.3f} | {row['floor_ms']:.3f} | {row['ratio']:.2f}x |", flush=True)
+        del runner
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

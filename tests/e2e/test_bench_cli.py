@@ -1,0 +1,113 @@
+"""`vt bench` end to end on CPU: real servers started by the benchmark, or one already running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FIGURES = (
+    "successful_requests", "failed_requests", "duration_s", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "peak_output_throughput", "peak_concurrent_requests",
+    "total_token_throughput",
+    *(f"{m}_{p}_ms" for m in ("ttft", "tpot", "itl", "e2el") for p in ("mean", "median", "p90", "p99")),
+    "request_goodput", "gpu_steps", "mean_step_time_ms", "gpu_idle_fraction",
+)
+
+
+def vt_bench(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "vt", "bench", *args], capture_output=True, text=True,
+                          cwd=str(REPO_ROOT), env=env, timeout=timeout)
+
+
+def test_compare_async_writes_both_arms_and_a_plot(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    proc = vt_bench("--model", str(tiny_model_dir), "--device", "cpu", "--compare-async",
+                    "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+                    "--goodput", "ttft:60000", "--json", str(out_json), "--plot", str(out_png))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    assert "Mean TTFT (ms):" in proc.stdout and "P99 ITL (ms):" in proc.stdout
+    assert "on/off" in proc.stdout and "greedy outputs identical:" in proc.stdout
+    assert "8/8" in proc.stderr  # the progress bar reached the end
+
+    data = json.loads(out_json.read_text())
+    assert set(data["arms"]) == {"async_on", "async_off"}
+    assert set(FIGURES) <= set(data["ratio_on_off"])
+    assert isinstance(data["outputs_identical"], bool)
+    for name, arm in data["arms"].items():
+        figures = arm["figures"]
+        missing = [k for k in FIGURES if k not in figures]
+        assert not missing, f"{name} lacks {missing}"
+        assert figures["successful_requests"] == 8 and figures["failed_requests"] == 0
+        assert figures["total_input_tokens"] == 8 * 16  # exact prompt lengths
+        assert figures["total_output_tokens"] == 8 * 8  # ignore_eos: exact output lengths
+        assert figures["request_goodput"] == pytest.approx(figures["request_throughput"])
+        assert figures["gpu_steps"] > 0 and figures["mean_step_time_ms"] > 0  # read from /metrics
+        assert 0.0 <= figures["gpu_idle_fraction"] <= 1.0
+        for key in FIGURES:
+            if key != "failed_requests":
+                assert figures[key] is not None, f"{name}: {key} is missing a value"
+        (run,) = arm["runs"]
+        assert run["server"]["flags"][-1] == ("--async-scheduling" if name == "async_on"
+                                              else "--no-async-scheduling")
+        requests = run["requests"]
+        assert sorted(r["index"] for r in requests) == list(range(8))
+        for r in requests:
+            assert r["success"] and r["error"] == ""
+            assert r["input_tokens"] == 16 and r["output_tokens"] == 8
+            assert r["start"] <= r["first_token"] <= r["end"]
+            assert r["chunk_times"] == sorted(r["chunk_times"]) and r["chunk_times"][0] == r["first_token"]
+    # same seed -> same prompts in both arms: same prompt lengths, and texts compared per prompt
+    on = {r["index"]: r for r in data["arms"]["async_on"]["runs"][0]["requests"]}
+    off = {r["index"]: r for r in data["arms"]["async_off"]["runs"][0]["requests"]}
+    differ = sorted(i for i in on if on[i]["text"] != off[i]["text"])
+    assert differ == data["mismatched_prompts"]
+
+    assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_bench_against_running_server(vt_server, tmp_path: Path) -> None:
+    out_json = tmp_path / "run.json"
+    proc = vt_bench("--base-url", vt_server.url, "--num-prompts", "5", "--input-len", "12",
+                    "--output-len", "4", "--request-rate", "50", "--max-concurrency", "2",
+                    "--priority-mix", "0:0.4", "--no-progress", "--json", str(out_json))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    figures = data["figures"]
+    assert figures["successful_requests"] == 5
+    assert figures["total_input_tokens"] == 5 * 12  # prompts built from the server's /tokenize ids
+    assert figures["peak_concurrent_requests"] <= 2
+    assert sorted(r["priority"] for r in data["requests"]) == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--request-rate", "-1"], "--request-rate: must be positive or 'inf'"),
+    (["--request-rate", "fast"], "--request-rate: not a number"),
+    (["--num-prompts", "0"], "--num-prompts: must be at least 1"),
+    (["--range-ratio", "1.5"], "--range-ratio: must be in [0, 1)"),
+    (["--goodput", "ttft:abc"], "is not a number of milliseconds"),
+    (["--goodput", "latency:5"], "--goodput expects KEY:MS"),
+    (["--priority-mix", "0:0.8", "1:0.5"], "--priority-mix shares add up to more than 1"),
+    (["--compare-async", "--base-url", "http://127.0.0.1:9"], "--compare-async starts its own servers"),
+    (["--model", "/nonexistent/model"], "not a checkpoint folder"),
+])
+def test_bad_flags_exit_nonzero_with_a_clear_message(args: list[str], message: str) -> None:
+    proc = vt_bench(*args, timeout=60.0)
+    assert proc.returncode != 0
+    assert "vt bench" in proc.stderr and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    proc = vt_bench("--base-url", "http://127.0.0.1:9", "--num-prompts", "1", timeout=60.0)
+    assert proc.returncode == 1
+    assert "cannot reach the server" in proc.stderr and "Traceback" not in proc.stderr

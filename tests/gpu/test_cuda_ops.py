@@ -1,0 +1,535 @@
+"""CudaBackend against the float32 NumpyBackend on fresh random inputs (bf16 tolerances), plus the
+async plumbing: slots, arenas, events and CUDA graph capture with replay."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vt.kernels import numpy_sampling
+from vt.kernels.numpy_ops import NumpyBackend
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def cb():
+    from vt.kernels.cuda_ops import CudaBackend
+
+    return CudaBackend(workspace_bytes=256 << 20)
+
+
+@pytest.fixture(scope="module")
+def nb():
+    return NumpyBackend()
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values exactly representable in bf16 (what both backends then see)."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def poison(cb, i: int = 0) -> None:
+    """Fill slot i's arena with 0xFF bytes: NaN in bf16 and f32, -1 in i32."""
+    import cupy
+
+    cb._slots[i].arena.buf.fill(255)
+    cupy.cuda.Device().synchronize()  # the fill ran on the default stream, the slots do not wait for it
+
+
+def act(cb, x: np.ndarray):
+    return cb.from_host(bf16(x), "act")
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def test_upload_accepts_float_dtypes_and_rounds_like_ml_dtypes(cb, rng):
+    x = rng.standard_normal((7, 24)).astype(np.float32)
+    want = bf16(x)
+    for host in (
+        x,
+        x.astype(np.float16),
+        x.astype(ml_dtypes.bfloat16),
+        x.astype(ml_dtypes.bfloat16).view(np.uint16),
+    ):
+        got = cb.to_host(cb.upload(host))
+        np.testing.assert_array_equal(
+            got, bf16(host.astype(np.float32)) if host.dtype == np.float16 else want
+        )
+    assert cb.to_host(cb.zeros((3, 8), "act")).dtype == np.float32
+    np.testing.assert_array_equal(cb.to_host(cb.from_host(np.arange(5), "i32")), np.arange(5))
+    with pytest.raises(ValueError):
+        cb.zeros((2,), "f64")
+
+
+def test_pinned_copies_round_trip_on_a_slot_stream(cb, rng):
+    src = cb.pinned_empty((10,), np.int32)
+    src[:] = rng.integers(0, 1000, 10)
+    dev = cb.zeros((16,), "i32")
+    back = cb.pinned_empty((16,), np.int32)
+    back[:] = -7
+    with cb.slot(1):
+        cb.copy_h2d(dev, src)
+        cb.copy_d2h(back, dev)
+        cb.record(1)
+    cb.wait(1)
+    assert cb.done(1)
+    np.testing.assert_array_equal(back[:10], src)
+    np.testing.assert_array_equal(back[10:], 0)
+
+
+# ---- model ops -------------------------------------------------------------------------------
+
+
+def test_embed_and_gather_rows(cb, nb, rng):
+    table = bf16(rng.standard_normal((50, 64)))
+    ids = rng.integers(0, 50, 33).astype(np.int32)
+    poison(cb)
+    with cb.slot(0):
+        out = cb.embed(cb.from_host(ids, "i32"), cb.from_host(table, "act"))
+        rows = cb.gather_rows(out, cb.from_host(np.array([3, 0, 32], np.int32), "i32"))
+        got, got_rows = cb.to_host(out), cb.to_host(rows)
+    np.testing.assert_array_equal(got, nb.embed(ids, table))
+    np.testing.assert_array_equal(got_rows, got[[3, 0, 32]])
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(cb, nb, rng, with_residual):
+    t, h = 37, 1024
+    x, res, w = (
+        bf16(rng.standard_normal((t, h))),
+        bf16(rng.standard_normal((t, h))),
+        bf16(rng.random(h) + 0.5),
+    )
+    poison(cb)
+    with cb.slot(0):
+        y, r = cb.rms_norm(act(cb, x), act(cb, w), 1e-6, act(cb, res) if with_residual else None)
+        y, r = cb.to_host(y), cb.to_host(r)
+    ry, rr = nb.rms_norm(x, w, 1e-6, res if with_residual else None)
+    assert rel_err(y, ry) < BF16_TOL
+    assert rel_err(r, rr) < BF16_TOL
+
+
+def test_head_rms_norm_on_a_strided_view(cb, nb, rng):
+    t, hq, hk, d = 9, 4, 2, 128
+    qkv = bf16(rng.standard_normal((t, (hq + 2 * hk) * d)))
+    w = bf16(rng.random(d) + 0.5)
+    dev = act(cb, qkv)
+    k_view = dev[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
+    got = cb.to_host(cb.head_rms_norm(k_view, act(cb, w), 1e-6))
+    ref = nb.head_rms_norm(qkv[:, hq * d : (hq + hk) * d].reshape(t, hk, d), w, 1e-6)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+def test_linear_with_bias_and_logits(cb, nb, rng):
+    t, k, n = 45, 512, 776
+    x, w, b = (
+        bf16(rng.standard_normal((t, k))),
+        bf16(rng.standard_normal((n, k)) * 0.05),
+        bf16(rng.standard_normal(n)),
+    )
+    poison(cb)
+    with cb.slot(0):
+        y = cb.to_host(cb.linear(act(cb, x), act(cb, w), act(cb, b)))
+        y0 = cb.to_host(cb.linear(act(cb, x), act(cb, w), None))
+        lg = cb.logits(act(cb, x), act(cb, w))
+        assert lg.dtype == np.float32
+        lg = cb.to_host(lg)
+    assert rel_err(y, nb.linear(x, w, b)) < BF16_TOL
+    assert rel_err(y0, nb.linear(x, w, None)) < BF16_TOL
+    # f32 output of the same bf16 operands: only accumulation order differs from float32 numpy
+    assert rel_err(lg, nb.logits(x, w)) < 1e-4
+
+
+def test_linear_matches_cupy_gemmex_and_strided_rows(cb, rng):
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    t, k, n = 64, 256, 384
+    x, w = bf16(rng.standard_normal((t, 2 * k))), bf16(rng.standard_normal((n, k)))
+    xd, wd = act(cb, x), act(cb, w)
+    x_view = xd[:, k:]  # row stride 2k: passed to cuBLAS as lda
+    got = cb.to_host(cb.linear(x_view, wd, None))
+    ref_dev = cupy.empty((t, n), dtype=np.uint16)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    xc = cupy.ascontiguousarray(x_view)
+    cublas.gemmEx(
+        cupy.cuda.device.get_cublas_handle(),
+        1,
+        0,
+        n,
+        t,
+        k,
+        one.ctypes.data,
+        wd.data.ptr,
+        14,
+        k,
+        xc.data.ptr,
+        14,
+        k,
+        zero.ctypes.data,
+        ref_dev.data.ptr,
+        14,
+        n,
+        68,
+        -1,
+    )
+    ref = cb.to_host(ref_dev)
+    assert rel_err(got, ref) < 1e-3
+    assert rel_err(got, x[:, k:] @ w.T) < BF16_TOL
+
+
+def test_rope_in_place_on_strided_views(cb, nb, rng):
+    t, hq, hk, d = 11, 4, 2, 64
+    qkv = bf16(rng.standard_normal((t, (hq + 2 * hk) * d)))
+    pos = rng.integers(0, 4000, t).astype(np.int32)
+    inv_freq = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    dev = act(cb, qkv)
+    q = dev[:, : hq * d].reshape(t, hq, d)
+    k = dev[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
+    cb.rope(q, k, cb.from_host(pos, "i32"), cb.from_host(inv_freq, "f32"))
+    got = cb.to_host(dev)
+    ref = qkv.copy()
+    rq = ref[:, : hq * d].reshape(t, hq, d).copy()
+    rk = ref[:, hq * d : (hq + hk) * d].reshape(t, hk, d).copy()
+    nb.rope(rq, rk, pos, inv_freq)
+    assert rel_err(got[:, : hq * d], rq.reshape(t, -1)) < BF16_TOL
+    assert rel_err(got[:, hq * d : (hq + hk) * d], rk.reshape(t, -1)) < BF16_TOL
+    np.testing.assert_array_equal(got[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])  # v untouched
+
+
+def test_write_kv_skips_negative_slots(cb, nb, rng):
+    t, hk, d, nblk, bs = 13, 2, 64, 6, 4
+    k, v = bf16(rng.standard_normal((t, hk, d))), bf16(rng.standard_normal((t, hk, d)))
+    slots = rng.permutation(nblk * bs)[:t].astype(np.int32)
+    slots[[2, 7]] = -1
+    kc0, vc0 = bf16(rng.standard_normal((nblk, bs, hk, d))), bf16(rng.standard_normal((nblk, bs, hk, d)))
+    kc, vc = act(cb, kc0), act(cb, vc0)
+    cb.write_kv(act(cb, k), act(cb, v), kc, vc, cb.from_host(slots, "i32"))
+    rk, rv = kc0.copy(), vc0.copy()
+    nb.write_kv(k, v, rk, rv, slots)
+    np.testing.assert_array_equal(cb.to_host(kc), rk)
+    np.testing.assert_array_equal(cb.to_host(vc), rv)
+
+
+def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs, extra_blocks=3):
+    """Random q and caches with each sequence's blocks drawn from a shuffled pool; table padding
+    holds an out-of-range block id that attention must never read."""
+    need = [-(-c // bs) for c in ctx_lens]
+    nblk = sum(need) + extra_blocks
+    pool = list(rng.permutation(nblk))
+    width = max(need) + 1
+    table = np.full((len(q_lens), width), 10**6, np.int32)
+    for b, n in enumerate(need):
+        table[b, :n] = [pool.pop() for _ in range(n)]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = bf16(rng.standard_normal((int(qsl[-1]), hq, d)))
+    kc = bf16(rng.standard_normal((nblk, bs, hk, d)))
+    vc = bf16(rng.standard_normal((nblk, bs, hk, d)))
+    return q, kc, vc, qsl, np.asarray(ctx_lens, np.int32), table
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d",
+    [
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128),  # prefill, decode, chunked prefill, decode
+        ([1] * 6, [3000, 17, 1, 513, 64, 2048], 16, 8, 128),  # decode with split keys
+        ([1, 1], [5000, 4100], 32, 8, 128),  # tiny batch, long contexts: many splits
+        ([70, 33], [70, 100], 4, 4, 64),  # no GQA, head dim 64, multi-tile prefill
+        ([3, 2], [20, 9], 8, 1, 256),  # head dim 256, MQA
+    ],
+)
+def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
+    bs = 16
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
+    scale = d**-0.5
+    args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
+    ref = nb.attention(q, kc, vc, *args)
+    poison(cb)
+    with cb.slot(0):
+        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+        out = cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, max(q_lens), max(ctx_lens))
+        got = cb.to_host(out)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+def test_attention_on_a_strided_q_view(cb, nb, rng):
+    hq, hk, d, bs = 4, 2, 64, 8
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [6, 1], [6, 30], hq, hk, d, bs)
+    t = q.shape[0]
+    wide = np.concatenate([q.reshape(t, -1), bf16(rng.standard_normal((t, 2 * hk * d)))], axis=1)
+    q_view = act(cb, wide)[:, : hq * d].reshape(t, hq, d)
+    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+    got = cb.to_host(cb.attention(q_view, act(cb, kc), act(cb, vc), *dev, 0.125, 6, 30))
+    assert rel_err(got, nb.attention(q, kc, vc, qsl, seq_lens, table, 0.125, 6, 30)) < BF16_TOL
+
+
+def test_silu_mul(cb, nb, rng):
+    x = bf16(rng.standard_normal((19, 2 * 384)) * 3)
+    poison(cb)
+    with cb.slot(0):
+        got = cb.to_host(cb.silu_mul(act(cb, x)))
+    assert rel_err(got, nb.silu_mul(x)) < BF16_TOL
+
+
+def test_fill_from_last_and_record_sampled(cb, nb, rng):
+    ids = rng.integers(0, 100, 12).astype(np.int32)
+    src = np.full(12, -1, np.int32)
+    src[[1, 4, 9]] = [2, 0, 5]
+    last = rng.integers(0, 100, 8).astype(np.int32)
+    dev_ids = cb.from_host(ids, "i32")
+    cb.fill_from_last(dev_ids, cb.from_host(src, "i32"), cb.from_host(last, "i32"))
+    want = ids.copy()
+    nb.fill_from_last(want, src, last)
+    np.testing.assert_array_equal(cb.to_host(dev_ids), want)
+
+    counts = rng.integers(0, 3, (8, 50)).astype(np.int32)
+    rows = np.array([3, -1, 0, 7], np.int32)
+    sampled = np.array([10, 11, 49, 0], np.int32)
+    d_last, d_counts = cb.from_host(last, "i32"), cb.from_host(counts, "i32")
+    cb.record_sampled(d_last, d_counts, cb.from_host(rows, "i32"), cb.from_host(sampled, "i32"))
+    r_last, r_counts = last.copy(), counts.copy()
+    nb.record_sampled(r_last, r_counts, rows, sampled)
+    np.testing.assert_array_equal(cb.to_host(d_last), r_last)
+    np.testing.assert_array_equal(cb.to_host(d_counts), r_counts)
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+
+def test_penalize_and_ban_match_exactly(cb, nb, rng):
+    b, v, r = 5, 3000, 8
+    logits = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+    counts = (rng.random((r, v)) < 0.05) * rng.integers(1, 4, (r, v))
+    counts = counts.astype(np.int32)
+    mask = (rng.random((r, v)) < 0.05).astype(np.uint8)
+    rows = np.array([2, -1, 7, 0, 5], np.int32)
+    pres = rng.random(b).astype(np.float32)
+    freq = rng.random(b).astype(np.float32)
+    rep = np.array([1.3, 1.5, 1.0, 0.8, 1.1], np.float32)
+    ban = np.array([[1, -1], [2, 3], [-1, -1], [0, 2999], [5, 5]], np.int32)
+    d = cb.from_host(logits, "f32")
+    cb.penalize(
+        d,
+        *(
+            cb.from_host(a, t)
+            for a, t in (
+                (rows, "i32"),
+                (counts, "i32"),
+                (mask, "u8"),
+                (pres, "f32"),
+                (freq, "f32"),
+                (rep, "f32"),
+            )
+        ),
+    )
+    cb.ban_tokens(d, cb.from_host(ban, "i32"))
+    ref = logits.copy()
+    nb.penalize(ref, rows, counts, mask, pres, freq, rep)
+    nb.ban_tokens(ref, ban)
+    np.testing.assert_array_equal(cb.to_host(d), ref)
+
+
+def test_log_softmax_topk(cb, nb, rng):
+    b, v, k = 6, 5000, 7
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    logits[2, [10, 20]] = logits[2].max() + 1  # an exact tie at the top: lower id first
+    ids = rng.integers(0, v, b).astype(np.int32)
+    poison(cb)
+    with cb.slot(0):
+        chosen, top_ids, top_lp = (
+            cb.to_host(a)
+            for a in cb.log_softmax_topk(cb.from_host(logits, "f32"), cb.from_host(ids, "i32"), k)
+        )
+    r_chosen, r_ids, r_lp = nb.log_softmax_topk(logits, ids, k)
+    np.testing.assert_allclose(chosen, r_chosen, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(top_ids, r_ids)
+    np.testing.assert_allclose(top_lp, r_lp, rtol=1e-5, atol=1e-4)
+    with cb.slot(0):
+        _, none_ids, _ = cb.log_softmax_topk(cb.from_host(logits, "f32"), cb.from_host(ids, "i32"), 0)
+        assert none_ids.shape == (b, 0)
+
+
+def _sampler_inputs(cb, rng, b, v, temperature, top_k, top_p, min_p):
+    seeds = rng.integers(-(2**63), 2**63 - 1, b, dtype=np.int64)
+    offsets = rng.integers(0, 500, b).astype(np.int32)
+    host = (
+        np.full(b, temperature, np.float32),
+        np.full(b, top_k, np.int32),
+        np.full(b, top_p, np.float32),
+        np.full(b, min_p, np.float32),
+        seeds,
+        offsets,
+    )
+    kinds = ("f32", "i32", "f32", "f32", "i64", "i32")
+    return host, tuple(cb.from_host(a, t) for a, t in zip(host, kinds))
+
+
+def test_sample_greedy_with_clear_margin(cb, rng):
+    b, v = 16, 32000
+    logits = rng.standard_normal((b, v)).astype(np.float32)
+    top = rng.integers(0, v, b)
+    logits[np.arange(b), top] = logits.max(axis=1) + 2.0
+    host, dev = _sampler_inputs(cb, rng, b, v, 0.0, 0, 1.0, 0.0)
+    poison(cb)
+    with cb.slot(0):
+        got = cb.to_host(cb.sample(cb.from_host(logits, "f32"), *dev))
+    np.testing.assert_array_equal(got, top)
+    np.testing.assert_array_equal(got, numpy_sampling.sample(logits, *host))
+
+
+def test_gumbel_noise_is_the_numpy_noise(cb, rng):
+    # With equal logits the choice is the argmax of the noise alone, over every token id.
+    b, v = 64, 4096
+    logits = np.zeros((b, v), np.float32)
+    host, dev = _sampler_inputs(cb, rng, b, v, 1.0, 0, 1.0, 0.0)
+    got = cb.to_host(cb.sample(cb.from_host(logits, "f32"), *dev))
+    want = np.argmax(numpy_sampling.gumbel_noise(host[4], host[5], v), axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.8, 200, 0.8, 0.02)],
+)
+def test_seeded_sampling_matches_numpy(cb, rng, temperature, top_k, top_p, min_p):
+    b, v = 48, 20000
+    logits = (rng.standard_normal((b, v)) * 2.5).astype(np.float32)
+    host, dev = _sampler_inputs(cb, rng, b, v, temperature, top_k, top_p, min_p)
+    poison(cb)
+    with cb.slot(0):
+        got = cb.to_host(cb.sample(cb.from_host(logits, "f32"), *dev))
+    want = numpy_sampling.sample(logits, *host)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sampling_respects_bans_and_top_k_one(cb, rng):
+    b, v = 8, 1000
+    logits = rng.standard_normal((b, v)).astype(np.float32)
+    best = np.argmax(logits, axis=1)
+    host, dev = _sampler_inputs(cb, rng, b, v, 1.0, 1, 1.0, 0.0)
+    got = cb.to_host(cb.sample(cb.from_host(logits, "f32"), *dev))
+    np.testing.assert_array_equal(got, best)  # top_k = 1 leaves only the max
+    d = cb.from_host(logits, "f32")
+    cb.ban_tokens(d, cb.from_host(best[:, None].astype(np.int32), "i32"))
+    host, dev = _sampler_inputs(cb, rng, b, v, 1.0, 1, 1.0, 0.0)
+    got = cb.to_host(cb.sample(d, *dev))
+    assert not np.any(got == best)
+
+
+# ---- slots, arenas, graphs -------------------------------------------------------------------
+
+
+def test_arena_bounds_and_marks():
+    from vt.kernels.cuda_ops import CudaBackend
+
+    small = CudaBackend(workspace_bytes=1 << 20)
+    x = small.from_host(bf16(np.ones((8, 1024))), "act")
+    w = small.from_host(bf16(np.ones(1024)), "act")
+    with small.slot(0):
+        mark = small.arena_mark()
+        small.rms_norm(x, w, 1e-6, None)
+        assert small.arena_mark() >= mark + 8 * 1024 * 2
+        small.arena_reset(mark)
+        assert small.arena_mark() == mark
+        with pytest.raises(MemoryError):
+            small.silu_mul(small.from_host(bf16(np.ones((1024, 2048))), "act"))
+    with pytest.raises(ValueError):
+        small.slot(2).__enter__()
+
+
+def test_two_slots_order_with_after(cb, rng):
+    x = act(cb, rng.standard_normal((256, 1024)))
+    w = act(cb, rng.standard_normal((1024, 1024)) * 0.03)
+    with cb.slot(0):
+        y0 = cb.linear(x, w, None)
+        for _ in range(20):  # keep slot 0 busy so an unordered read on slot 1 would see stale data
+            y0 = cb.linear(y0, w, None)
+    cb.after(1, 0)
+    with cb.slot(1):
+        y1 = cb.linear(y0, w, None)
+        cb.record(1)
+    cb.wait(1)
+    ref = cb.to_host(y0)
+    want = ref.astype(ml_dtypes.bfloat16).astype(np.float32) @ cb.to_host(w).T
+    assert rel_err(cb.to_host(y1), want) < BF16_TOL
+
+
+def test_captured_step_replays_with_new_inputs_equal_to_eager(cb, rng):
+    v, h, inter, t = 300, 256, 512, 8
+    table = act(cb, rng.standard_normal((v, h)))
+    norm_w = act(cb, rng.random(h) + 0.5)
+    w_up = act(cb, rng.standard_normal((2 * inter, h)) * 0.05)
+    w_down = act(cb, rng.standard_normal((h, inter)) * 0.05)
+    bias = act(cb, rng.standard_normal(h))
+    lm = act(cb, rng.standard_normal((v, h)) * 0.05)
+    ids = cb.zeros((t,), "i32")
+    pinned = cb.pinned_empty((t,), np.int32)
+    out_host = cb.pinned_empty((t,), np.int32)
+    sampler = [
+        cb.from_host(a, k)
+        for a, k in (
+            (np.zeros(t), "f32"),
+            (np.zeros(t), "i32"),
+            (np.ones(t), "f32"),
+            (np.zeros(t), "f32"),
+            (np.arange(t), "i64"),
+            (np.zeros(t), "i32"),
+        )
+    ]
+    result = {}
+
+    def step():
+        x = cb.embed(ids, table)
+        y, r = cb.rms_norm(x, norm_w, 1e-6, None)
+        hmid = cb.silu_mul(cb.linear(y, w_up, None))
+        z = cb.linear(hmid, w_down, bias)
+        y2, _ = cb.rms_norm(z, norm_w, 1e-6, r)
+        lg = cb.logits(y2, lm)
+        result["ids"] = cb.sample(lg, *sampler)
+        result["logits"] = lg
+
+    def eager(new_ids):
+        pinned[:] = new_ids
+        with cb.slot(1):
+            cb.copy_h2d(ids, pinned)
+            step()
+            cb.record(1)
+        cb.wait(1)
+        return cb.to_host(result["logits"]), cb.to_host(result["ids"])
+
+    warm = rng.integers(0, v, t).astype(np.int32)
+    eager(warm)
+    graph = cb.capture(0, step)
+    captured_logits, captured_ids = result["logits"], result["ids"]
+    for _ in range(3):
+        new = rng.integers(0, v, t).astype(np.int32)
+        want_logits, want_ids = eager(new)
+        pinned[:] = new
+        poison(cb, 0)
+        with cb.slot(0):
+            cb.copy_h2d(ids, pinned)
+            graph.replay()
+            cb.copy_d2h(out_host, captured_ids)
+            cb.record(0)
+        cb.wait(0)
+        got_logits = cb.to_host(captured_logits)
+        np.testing.assert_array_equal(got_logits, want_logits)  # same kernels, same cuBLAS path
+        np.testing.assert_array_equal(out_host, want_ids)

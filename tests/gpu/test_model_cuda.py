@@ -1,0 +1,131 @@
+"""The whole model on the GPU against transformers, and sync == async on the GPU.
+
+The checkpoint is a random Qwen3-0.6B-shaped model made by transformers itself (bf16). Greedy
+comparisons use only prompts whose reference trajectory never has a top-2 logit margin below
+MARGIN (computed in fp32 by transformers): below that a bf16 rounding difference may legally
+flip the argmax, so such prompts prove nothing about correctness.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 64
+MARGIN = 0.25
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    import transformers
+
+    from vt.model.make_model import make_model
+
+    tok = make_model(tmp_path_factory.mktemp("tok"), preset="tiny")
+    cfg = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.05,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("qwen3-0.6b")
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict:
+    """transformers on the GPU: bf16 greedy continuations and the fp32 top-2 margins along them."""
+    import torch
+    import transformers
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 150000, size=n).tolist() for n in (7, 19, 40, 77, 120, 9)]
+    m16 = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+    m32 = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
+    out: dict = {"prompts": prompts, "bf16": [], "margin_ok": [], "logits16": None}
+    with torch.no_grad():
+        for p in prompts:
+            g = m16.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            cont = g[0, len(p):].tolist()
+            full = torch.tensor([p + cont], device="cuda")
+            logits = m32(full).logits[0, len(p) - 1: len(p) - 1 + NEW_TOKENS].float()
+            top2 = logits.topk(2, dim=-1).values
+            margins = (top2[:, 0] - top2[:, 1]).min().item()
+            same = logits.argmax(-1).tolist() == cont
+            out["bf16"].append(cont)
+            out["margin_ok"].append(bool(same and margins >= MARGIN))
+        out["logits16"] = m16(torch.tensor([prompts[2]], device="cuda")).logits[0, -1].float().cpu().numpy()
+        out["logits32"] = m32(torch.tensor([prompts[2]], device="cuda")).logits[0, -1].float().cpu().numpy()
+    del m16, m32
+    torch.cuda.empty_cache()
+    return out
+
+
+def _vt_last_logits(checkpoint: Path, prompt: list[int]) -> np.ndarray:
+    from vt.config import ModelConfig
+    from vt.kernels import get_backend
+    from vt.model.batch import ForwardBatch
+    from vt.model.loader import load_weights
+    from vt.model.transformer import Transformer
+
+    ops = get_backend("cuda")
+    cfg = ModelConfig.from_dir(checkpoint)
+    model = Transformer(cfg, load_weights(checkpoint, cfg), ops)
+    kv = model.allocate_kv(16, 16)
+    n = len(prompt)
+    i32 = lambda a: ops.from_host(np.asarray(a, np.int32), "i32")  # noqa: E731
+    fb = ForwardBatch(i32(prompt), i32(range(n)), i32(range(n)), i32([0, n]), i32([n]),
+                      i32([list(range(16))]), i32([n - 1]), n, n)
+    return ops.to_host(model.forward(fb, kv))[0]
+
+
+def test_logits_match_transformers_within_bf16(checkpoint: Path, reference: dict) -> None:
+    got = _vt_last_logits(checkpoint, reference["prompts"][2])
+    for key in ("logits32", "logits16"):
+        ref = reference[key]
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert np.isfinite(got).all()
+        assert rel < 3e-2, f"relative error vs transformers {key}: {rel:.4f}"
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_tokens_match_transformers(checkpoint: Path, reference: dict, async_scheduling: bool) -> None:
+    from vt.llm import LLM
+    from vt.sampling import SamplingParams
+
+    usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
+    assert usable, "no prompt has a clear top-2 margin; raise initializer_range"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(checkpoint), device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+             max_model_len=1024) as llm:
+        got = llm.generate([reference["prompts"][i] for i in usable], params)
+    for i, g in zip(usable, got):
+        assert g.token_ids == reference["bf16"][i], f"prompt {i}"
+
+
+def test_sync_equals_async_on_gpu_with_preemption(checkpoint: Path, reference: dict) -> None:
+    from vt.llm import LLM
+    from vt.sampling import SamplingParams
+
+    prompts = reference["prompts"] * 3
+    params = [SamplingParams(max_tokens=48, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = []
+    for flag in (True, False):
+        with LLM(str(checkpoint), device="cuda", max_num_seqs=8, async_scheduling=flag, num_gpu_blocks=40,
+                 max_model_len=1024, max_num_batched_tokens=256) as llm:
+            outs.append([c.token_ids for c in llm.generate(prompts, params)])
+            assert llm.engine.stats().num_preemptions_total > 0
+    assert outs[0] == outs[1]

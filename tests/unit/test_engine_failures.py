@@ -1,0 +1,213 @@
+"""A failing engine step fails only its requests, with an error the client sees; the server keeps
+serving. Repeated failures mark the engine dead: /health and new requests answer 503, nothing hangs.
+
+The engine and the OpenAI routes run in-process; the device step is replaced to raise, as a CUDA
+error would surface from the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from vt.config import EngineConfig
+from vt.engine import AsyncEngine
+from vt.http.openai_api import OpenAIApp
+from vt.http.server import HttpRequest, Response, StreamResponse
+from vt.model.make_model import make_model
+
+TIMEOUT_S = 30.0  # any single request taking longer than this is a hang
+CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("fail-model") / "tiny", preset="tiny")
+
+
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+async def app(request: pytest.FixtureRequest, model_dir: Path) -> AsyncIterator[OpenAIApp]:
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=8,
+                                      async_scheduling=request.param))
+    await engine.start()
+    yield OpenAIApp(engine, "tiny")
+    await engine.stop(0.0)
+
+
+class StepFault:
+    """Wraps the runner's device step; raises on the next `count` calls (-1: forever)."""
+
+    def __init__(self, runner: Any, count: int, attr: str = "_device_step") -> None:
+        self.real: Callable[..., Any] = getattr(runner, attr)
+        self.left = count
+        self.raised = 0
+        self.lock = threading.Lock()  # the numpy backend runs steps on a worker thread
+        setattr(runner, attr, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            fail = self.left != 0
+            if fail:
+                self.left -= 1
+                self.raised += 1
+        if fail:
+            raise RuntimeError(CUDA_ERROR)
+        return self.real(*args, **kwargs)
+
+
+def _post(path: str, body: dict[str, Any]) -> HttpRequest:
+    return HttpRequest("POST", path, "", {"content-type": "application/json"}, orjson.dumps(body), None)
+
+
+def _get(path: str) -> HttpRequest:
+    return HttpRequest("GET", path, "", {}, b"", None)
+
+
+async def _call(app: OpenAIApp, req: HttpRequest) -> tuple[int, Any]:
+    """(status, parsed JSON body) for a plain response, (status, [SSE payloads]) for a stream."""
+
+    async def run() -> tuple[int, Any]:
+        resp = await app.handle(req)
+        if isinstance(resp, StreamResponse):
+            events = []
+            async for chunk in resp.chunks:
+                for line in chunk.decode().split("\n\n"):
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else orjson.loads(data))
+            return resp.status, events
+        assert isinstance(resp, Response)
+        return resp.status, orjson.loads(resp.body) if resp.body else None
+
+    return await asyncio.wait_for(run(), TIMEOUT_S)
+
+
+def _completion(max_tokens: int = 4, stream: bool = False, prompt: str = "hello world") -> HttpRequest:
+    return _post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                                     "ignore_eos": True, "stream": stream})
+
+
+async def _assert_idle(app: OpenAIApp) -> None:
+    """No request left in the engine and every KV block free."""
+    engine = app.engine
+
+    async def settle() -> None:
+        while engine.scheduler.has_unfinished() or engine._states:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(settle(), TIMEOUT_S)
+    stats = engine.stats()
+    assert stats.num_requests_running == 0 and stats.num_requests_waiting == 0
+    assert stats.kv_cache_usage_perc == 0.0
+    engine.scheduler.pool.check_invariants()
+
+
+async def test_failed_step_gives_500_and_server_keeps_serving(app: OpenAIApp) -> None:
+    fault = StepFault(app.engine.runner, 1)
+    status, body = await _call(app, _completion())
+    assert fault.raised == 1
+    assert status == 500
+    assert body["error"]["type"] == "internal_server_error"
+    assert CUDA_ERROR in body["error"]["message"]
+    await _assert_idle(app)
+    status, body = await _call(app, _completion())
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert (await _call(app, _get("/health")))[0] == 200
+    await _assert_idle(app)
+
+
+async def test_failed_step_ends_stream_with_error_event(app: OpenAIApp) -> None:
+    StepFault(app.engine.runner, 1)
+    status, events = await _call(app, _completion(stream=True))
+    assert status == 200  # headers were sent before the step ran
+    assert events[-1] == "[DONE]"
+    errors = [e for e in events[:-1] if "error" in e]
+    assert len(errors) == 1 and CUDA_ERROR in errors[0]["error"]["message"]
+    await _assert_idle(app)
+    status, events = await _call(app, _completion(stream=True))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert not any("error" in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_failure_mid_decode_fails_only_that_request(app: OpenAIApp) -> None:
+    # a request decoding for a while; the fault hits one of its later steps
+    long_req = asyncio.ensure_future(_call(app, _completion(max_tokens=40, stream=True)))
+    engine = app.engine
+    while engine._stats.generation_tokens_total < 3:
+        await asyncio.wait_for(asyncio.sleep(0.005), TIMEOUT_S)
+    StepFault(engine.runner, 1)
+    status, events = await long_req
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "error" in events[-2]
+    await _assert_idle(app)
+    status, body = await _call(app, _completion(max_tokens=3))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_concurrent_requests_after_a_failure_all_complete(app: OpenAIApp) -> None:
+    StepFault(app.engine.runner, 1)
+    first = await asyncio.gather(*(_call(app, _completion(prompt=f"p{i}")) for i in range(4)))
+    assert {s for s, _ in first} <= {200, 500} and any(s == 500 for s, _ in first)
+    await _assert_idle(app)
+    again = await asyncio.gather(*(_call(app, _completion(prompt=f"q{i}")) for i in range(6)))
+    assert [s for s, _ in again] == [200] * 6
+    await _assert_idle(app)
+
+
+@pytest.mark.parametrize("attr", ["_device_step", "execute"])
+async def test_repeated_failures_mark_engine_unhealthy(app: OpenAIApp, attr: str) -> None:
+    StepFault(app.engine.runner, -1, attr)
+    statuses = []
+    for i in range(5):  # bounded: the engine must give up within MAX_CONSECUTIVE_FAILURES requests
+        status, body = await _call(app, _completion(prompt=f"try {i}"))
+        statuses.append(status)
+        if status == 503:
+            break
+        assert status == 500 and CUDA_ERROR in body["error"]["message"]
+    assert statuses[-1] == 503, statuses
+    status, body = await _call(app, _get("/health"))
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    status, body = await _call(app, _completion(stream=True))
+    assert status == 503 and "engine" in body["error"]["message"]
+    assert app.engine.stats().kv_cache_usage_perc == 0.0
+
+
+async def test_dead_engine_fails_inflight_streams(app: OpenAIApp) -> None:
+    # several streams in flight when the device becomes unusable: each ends, none hangs
+    StepFault(app.engine.runner, -1)
+    results = await asyncio.gather(*(_call(app, _completion(max_tokens=20, stream=True, prompt=f"s{i}"))
+                                     for i in range(5)))
+    for status, events in results:
+        if status == 200:
+            assert events[-1] == "[DONE]" and "error" in events[-2]
+        else:
+            assert status == 503  # arrived after the engine was marked dead
+    for i in range(5):  # one batch may hold them all: keep failing steps until the engine gives up
+        status, _ = await _call(app, _completion(max_tokens=20, stream=True, prompt=f"t{i}"))
+        if status == 503:
+            break
+    assert status == 503
+    assert (await _call(app, _get("/health")))[0] == 503
+    assert app.engine.stats().kv_cache_usage_perc == 0.0
+
+
+async def test_crash_outside_the_step_does_not_hang_requests(app: OpenAIApp) -> None:
+    engine = app.engine
+
+    def broken(out: Any) -> None:
+        raise KeyError("bug while processing a step")
+
+    engine._process = broken  # type: ignore[method-assign]
+    results = await asyncio.gather(_call(app, _completion()), _call(app, _completion(stream=True)))
+    (s1, body), (s2, events) = results
+    assert s1 == 500 and "KeyError" in body["error"]["message"]
+    assert s2 == 200 and events[-1] == "[DONE]" and "error" in events[-2]
+    assert (await _call(app, _get("/health")))[0] == 503
+    assert (await _call(app, _completion()))[0] == 503

@@ -1,0 +1,94 @@
+"""Prometheus text exposition (format 0.0.4) of engine stats and HTTP response counters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from vt.stats import EngineStats, Histogram
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_GAUGES = (
+    ("num_requests_running", "Number of requests in the running batch."),
+    ("num_requests_waiting", "Number of requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
+)
+_COUNTERS = (
+    ("prompt_tokens_total", "Prompt tokens processed."),
+    ("generation_tokens_total", "Tokens generated."),
+    ("num_preemptions_total", "Requests preempted."),
+    ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache."),
+    ("steps_total", "Engine steps run."),
+    ("step_time_seconds_total", "Time from step launch to completion, summed."),
+    ("gpu_idle_seconds_total", "Time with work waiting but no step in flight."),
+)
+_HISTOGRAMS = (
+    ("time_to_first_token_seconds", "Time to first token."),
+    ("inter_token_latency_seconds", "Time between consecutive output tokens."),
+    ("e2e_request_latency_seconds", "End-to-end request latency."),
+)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: Mapping[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items()) + "}"
+
+
+def _num(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def header(self, name: str, kind: str, help_: str) -> None:
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: Mapping[str, str], value: float) -> None:
+        self.lines.append(f"{name}{_labels(labels)} {_num(value)}")
+
+    def histogram(self, name: str, labels: Mapping[str, str], h: Histogram) -> None:
+        for bound, count in h.cumulative():
+            self.sample(f"{name}_bucket", {**labels, "le": _num(float(bound))}, count)
+        self.sample(f"{name}_sum", labels, float(h.total))
+        self.sample(f"{name}_count", labels, h.count)
+
+
+def render_metrics(stats: EngineStats, model_name: str,
+                   http_responses: Mapping[int | str, int] | None = None) -> str:
+    """The /metrics page: every engine metric labelled with model_name, then HTTP responses by status."""
+    w = _Writer()
+    base = {"model_name": model_name}
+    for name, help_ in _GAUGES:
+        w.header(f"vt:{name}", "gauge", help_)
+        w.sample(f"vt:{name}", base, getattr(stats, name))
+    for name, help_ in _COUNTERS:
+        w.header(f"vt:{name}", "counter", help_)
+        w.sample(f"vt:{name}", base, getattr(stats, name))
+
+    w.header("vt:request_success_total", "counter", "Finished requests by finish reason.")
+    reasons = list(FINISH_REASONS) + sorted(str(r) for r in stats.request_success_total
+                                            if r not in FINISH_REASONS)
+    for reason in reasons:
+        w.sample("vt:request_success_total", {**base, "finished_reason": reason},
+                 stats.request_success_total.get(reason, 0))
+
+    for name, help_ in _HISTOGRAMS:
+        w.header(f"vt:{name}", "histogram", help_)
+        w.histogram(f"vt:{name}", base, getattr(stats, name))
+
+    w.header("vt:http_responses_total", "counter", "HTTP responses sent, by status code.")
+    for status, count in sorted((http_responses or {}).items(), key=lambda kv: str(kv[0])):
+        w.sample("vt:http_responses_total", {"status": str(status)}, count)
+    return "\n".join(w.lines) + "\n"

@@ -1,0 +1,531 @@
+"""OpenAI-compatible routes over the async engine: completions, chat, models, tokenize, metrics.
+
+The app is a single `handle(HttpRequest)` coroutine the HTTP server calls; it validates the body
+(vt.http.protocol), fans a request out into n engine requests, and shapes results and SSE chunks
+the way OpenAI clients (and vLLM's extras) expect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from vt.http import metrics
+from vt.http.errors import HttpError, error_body
+from vt.http.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ProtocolError,
+    get_bool,
+    get_str,
+    params_for_choice,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_object,
+    parse_messages,
+)
+from vt.http.server import HttpRequest, Response, StreamResponse
+
+log = logging.getLogger("vt.http")
+
+# chat logprobs must be JSON numbers; -inf (a masked token) becomes vLLM's floor value
+LOGPROB_FLOOR = -9999.0
+DONE = b"data: [DONE]\n\n"
+Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
+
+
+def _json(obj: Any, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(status, orjson.dumps(obj), headers=headers or [])
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vt")
+    except Exception:
+        import vt
+
+        return getattr(vt, "__version__", "0.1.0")
+
+
+def _engine_error(e: Exception) -> HttpError | None:
+    """Map add_request's errors to HTTP errors.
+
+    Matched by class name along the MRO so this module need not import vt.engine (and the model
+    runtime behind it) just to classify errors.
+    """
+    names = {cls.__name__ for cls in type(e).__mro__}
+    if "PromptTooLongError" in names:
+        return HttpError(400, str(e))
+    if "QueueFullError" in names:
+        return HttpError(503, str(e) or "the waiting queue is full; retry later", type="server_busy",
+                         headers=[("retry-after", "1")])
+    if "EngineDeadError" in names:
+        return HttpError(503, str(e) or "the engine has stopped", type="service_unavailable")
+    if isinstance(e, ValueError):
+        return HttpError(400, str(e))
+    return None
+
+
+@dataclass
+class _Choice:
+    """Accumulated state of one of the n engine requests behind a response."""
+
+    index: int
+    request_id: str
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    num_output_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    text_offset: int = 0   # characters streamed so far, for completions text_offset
+
+    def update(self, out: Any) -> None:
+        self.text.append(out.text)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.error = out.error
+
+
+async def _next(stream: Any) -> Any:
+    return await stream.__anext__()
+
+
+async def _merge(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield (choice index, output) from several engine streams in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                if not out.finished:
+                    pending[asyncio.ensure_future(_next(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved so asyncio does not warn about it
+
+
+async def _close_all(streams: list[Any]) -> None:
+    """Close every engine stream; closing an unfinished one aborts its request."""
+    for s in streams:
+        try:
+            await s.aclose()
+        except Exception:
+            log.exception("closing a request stream failed")
+
+
+class _SseBody:
+    """The chunk iterator handed to the server; closing it aborts the engine requests.
+
+    A plain async generator closed before its first step never runs its `finally`, so the
+    cleanup lives here, where it runs whether or not streaming ever started.
+    """
+
+    def __init__(self, gen: AsyncIterator[bytes], streams: list[Any]) -> None:
+        self._gen = gen
+        self._streams = streams
+        self._closed = False
+
+    def __aiter__(self) -> _SseBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._gen.__anext__()
+        except BaseException:
+            # finished, failed or cancelled: nothing more will be read, release the requests now
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._gen.aclose()
+        finally:
+            await _close_all(self._streams)
+
+
+class OpenAIApp:
+    """Routes requests to handlers; `server` (settable) supplies HTTP counters for /metrics."""
+
+    def __init__(self, engine: Any, served_model_name: str, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.server: Any = None
+        self._api_key = api_key.encode() if api_key else None
+        # path -> (needs auth, {method: handler})
+        self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
+            "/v1/completions": (True, {"POST": self._completions}),
+            "/v1/chat/completions": (True, {"POST": self._chat}),
+            "/v1/models": (True, {"GET": self._models}),
+            "/tokenize": (True, {"POST": self._tokenize}),
+            "/detokenize": (True, {"POST": self._detokenize}),
+            "/health": (False, {"GET": self._health}),
+            "/metrics": (False, {"GET": self._metrics}),
+            "/version": (False, {"GET": self._version}),
+        }
+
+    async def handle(self, req: HttpRequest) -> Response | StreamResponse:
+        try:
+            return await self._dispatch(req)
+        except HttpError as e:
+            return Response(e.status, e.body(), headers=e.headers)
+        except ProtocolError as e:
+            return Response(400, error_body(str(e), param=e.param))
+        except Exception:
+            log.exception("unhandled error for %s %s", req.method, req.path)
+            return Response(500, error_body("internal server error", type="internal_server_error"))
+
+    async def _dispatch(self, req: HttpRequest) -> Response | StreamResponse:
+        route = self._routes.get(req.path)
+        if route is None:
+            raise HttpError(404, f"no route for {req.path}", type="not_found_error", code="not_found")
+        needs_auth, methods = route
+        if needs_auth:
+            self._check_auth(req)
+        handler = methods.get(req.method)
+        if handler is None:
+            allow = ", ".join(methods)
+            raise HttpError(405, f"method {req.method} not allowed on {req.path}; use {allow}",
+                            code="method_not_allowed", headers=[("allow", allow)])
+        if req.method == "POST":
+            self._check_content_type(req)
+        return await handler(req)
+
+    # --- request checks ---
+
+    def _check_auth(self, req: HttpRequest) -> None:
+        if self._api_key is None:
+            return
+        auth = req.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise HttpError(401, "invalid or missing API key", type="authentication_error",
+                            code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
+
+    @staticmethod
+    def _check_content_type(req: HttpRequest) -> None:
+        ctype = req.headers.get("content-type")
+        if ctype is None:
+            return
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            raise HttpError(415, f"content-type must be application/json, got {ctype!r}",
+                            code="unsupported_media_type")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise HttpError(404, f"the model '{model}' does not exist; this server serves "
+                                 f"'{self.served_model_name}'", type="not_found_error",
+                            param="model", code="model_not_found")
+
+    def _check_token_ids(self, ids: tuple[int, ...] | list[int], param: str) -> None:
+        vocab = self.engine.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
+
+    # --- prompts ---
+
+    def _chat_prompt_ids(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]],
+                         add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        try:
+            rendered = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        except ValueError as e:  # ChatTemplateError and friends
+            raise ProtocolError(f"chat template failed: {e}", "messages") from None
+        if isinstance(rendered, str):
+            # the template already wrote the special tokens (BOS, role markers)
+            return list(tok.encode(rendered, add_special_tokens=False))
+        return list(rendered)
+
+    def _completion_prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
+        else:
+            self._check_token_ids(prompt, "prompt")
+            ids = list(prompt)
+        if not ids:
+            raise ProtocolError("the prompt encodes to no tokens", "prompt")
+        return ids
+
+    # --- generation plumbing ---
+
+    def _start(self, base_id: str, prompt_ids: list[int], r: GenerationRequest) -> list[Any]:
+        """Add the n engine requests; on any failure abort the ones already added."""
+        streams: list[Any] = []
+        ids = self._request_ids(base_id, r.params.n)
+        try:
+            for i, rid in enumerate(ids):
+                streams.append(self.engine.add_request(rid, prompt_ids, params_for_choice(r.params, i),
+                                                       priority=r.priority))
+        except Exception as e:
+            for rid in ids[:len(streams)]:
+                self.engine.abort(rid)
+            mapped = _engine_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return streams
+
+    @staticmethod
+    def _request_ids(base_id: str, n: int) -> list[str]:
+        return [base_id] if n == 1 else [f"{base_id}-{i}" for i in range(n)]
+
+    async def _collect(self, req: HttpRequest, streams: list[Any], choices: list[_Choice]) -> None:
+        """Drain all streams into `choices`; a client disconnect aborts them."""
+
+        async def drain() -> None:
+            async for i, out in _merge(streams):
+                choices[i].update(out)
+
+        work = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(req.disconnected.wait())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            await _close_all(streams)
+        if not work.done() or work.cancelled():
+            raise HttpError(499, "client closed the request", code="client_closed_request")
+        work.result()
+        failed = [c for c in choices if c.finish_reason == "error"]
+        if failed:
+            raise HttpError(500, failed[0].error or "the request failed in the engine",
+                            type="internal_server_error")
+
+    @staticmethod
+    def _usage(num_prompt: int, choices: list[_Choice]) -> dict[str, int]:
+        completion = sum(c.num_output_tokens for c in choices)
+        return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                "total_tokens": num_prompt + completion}
+
+    # --- logprob shaping ---
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[Any], choice: _Choice) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(max(lp.logprob, LOGPROB_FLOOR))
+            top = {self._token_text(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
+            top.setdefault(text, max(lp.logprob, LOGPROB_FLOOR))  # the sampled token is always listed
+            tops.append(top)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}
+
+        content = []
+        for lp in lps:
+            e = entry(lp.token_id, lp.logprob)
+            e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+            content.append(e)
+        return {"content": content}
+
+    # --- /v1/completions ---
+
+    async def _completions(self, req: HttpRequest) -> Response | StreamResponse:
+        r = parse_completion_request(parse_json_object(req.body))
+        self._check_model(r.model)
+        prompt_ids = self._completion_prompt_ids(r.prompt)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = self._start(base_id, prompt_ids, r)
+        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        if r.stream:
+            gen = self._completion_chunks(base_id, created, r, len(prompt_ids), streams, choices)
+            return StreamResponse(200, _SseBody(gen, streams))
+        await self._collect(req, streams, choices)
+        want_lp = r.params.logprobs is not None
+        return _json({
+            "id": base_id, "object": "text_completion", "created": created, "model": self.served_model_name,
+            "choices": [{
+                "index": c.index, "text": "".join(c.text),
+                "logprobs": self._completion_logprobs(c.logprobs, c) if want_lp else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            } for c in choices],
+            "usage": self._usage(len(prompt_ids), choices),
+        })
+
+    async def _completion_chunks(self, base_id: str, created: int, r: CompletionRequest, num_prompt: int,
+                                 streams: list[Any], choices: list[_Choice]) -> AsyncIterator[bytes]:
+        want_lp = r.params.logprobs is not None
+        head = {"id": base_id, "object": "text_completion", "created": created,
+                "model": self.served_model_name}
+        async for i, out in _merge(streams):
+            c = choices[i]
+            c.update(out)
+            if out.finished and out.finish_reason == "error":
+                yield _sse({"error": {"message": out.error or "the request failed in the engine",
+                                      "type": "internal_server_error", "param": None, "code": None}})
+                yield DONE
+                return
+            if not out.text and not out.finished and not (want_lp and out.logprobs):
+                continue
+            choice = {
+                "index": i, "text": out.text,
+                "logprobs": self._completion_logprobs(list(out.logprobs or ()), c) if want_lp else None,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
+            chunk = {**head, "choices": [choice]}
+            if r.include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+        if r.include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})
+        yield DONE
+
+    # --- /v1/chat/completions ---
+
+    async def _chat(self, req: HttpRequest) -> Response | StreamResponse:
+        r = parse_chat_request(parse_json_object(req.body))
+        self._check_model(r.model)
+        prompt_ids = self._chat_prompt_ids(r.messages)
+        if not prompt_ids:
+            raise ProtocolError("the messages render to an empty prompt", "messages")
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = self._start(base_id, prompt_ids, r)
+        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        if r.stream:
+            gen = self._chat_chunks(base_id, created, r, len(prompt_ids), streams, choices)
+            return StreamResponse(200, _SseBody(gen, streams))
+        await self._collect(req, streams, choices)
+        return _json({
+            "id": base_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
+            "choices": [{
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": self._chat_logprobs(c.logprobs) if r.want_logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            } for c in choices],
+            "usage": self._usage(len(prompt_ids), choices),
+        })
+
+    async def _chat_chunks(self, base_id: str, created: int, r: ChatRequest, num_prompt: int,
+                           streams: list[Any], choices: list[_Choice]) -> AsyncIterator[bytes]:
+        head = {"id": base_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.served_model_name}
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            body = {**head, "choices": [choice]}
+            if r.include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        for c in choices:
+            yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+        async for i, out in _merge(streams):
+            choices[i].update(out)
+            if out.finished and out.finish_reason == "error":
+                yield _sse({"error": {"message": out.error or "the request failed in the engine",
+                                      "type": "internal_server_error", "param": None, "code": None}})
+                yield DONE
+                return
+            has_lp = r.want_logprobs and bool(out.logprobs)
+            if not out.text and not out.finished and not has_lp:
+                continue
+            yield chunk({
+                "index": i, "delta": {"content": out.text} if out.text else {},
+                "logprobs": self._chat_logprobs(list(out.logprobs or ())) if r.want_logprobs else None,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+            })
+        if r.include_usage:
+            yield _sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})
+        yield DONE
+
+    # --- small routes ---
+
+    async def _models(self, req: HttpRequest) -> Response:
+        name = self.served_model_name
+        return _json({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "vt",
+            "root": name, "parent": None, "max_model_len": self.engine.max_model_len,
+        }]})
+
+    async def _tokenize(self, req: HttpRequest) -> Response:
+        body = parse_json_object(req.body)
+        self._check_model(get_str(body, "model"))
+        if body.get("messages") is not None:
+            messages = parse_messages(body["messages"])
+            ids = self._chat_prompt_ids(messages, get_bool(body, "add_generation_prompt", True))
+        elif body.get("prompt") is not None:
+            prompt = get_str(body, "prompt")
+            add_special = get_bool(body, "add_special_tokens", True)
+            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special))
+        else:
+            raise ProtocolError("either 'prompt' or 'messages' is required", "prompt")
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
+
+    async def _detokenize(self, req: HttpRequest) -> Response:
+        body = parse_json_object(req.body)
+        self._check_model(get_str(body, "model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in tokens):
+            raise ProtocolError("'tokens' must be a list of integers", "tokens")
+        self._check_token_ids(tokens, "tokens")
+        return _json({"prompt": self.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def _health(self, req: HttpRequest) -> Response:
+        if self.engine.healthy:
+            return Response(200, b"")
+        return Response(503, error_body("the engine is not running", type="service_unavailable"))
+
+    async def _metrics(self, req: HttpRequest) -> Response:
+        server = self.server
+        http = getattr(server, "responses_total", None) if server is not None else None
+        text = metrics.render_metrics(self.engine.stats(), self.served_model_name, http)
+        return Response(200, text.encode(), content_type=metrics.CONTENT_TYPE)
+
+    async def _version(self, req: HttpRequest) -> Response:
+        return _json({"version": _version()})

@@ -1,0 +1,273 @@
+"""OpenAI request bodies -> validated, typed requests carrying SamplingParams.
+
+Everything here is pure: no engine, no I/O. A bad field raises `ProtocolError` naming the
+field as the client spelled it, which the HTTP layer reports as a 400 with `param` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from vt.sampling import SamplingParams, SamplingParamsError
+
+MAX_COMPLETION_LOGPROBS = 5   # OpenAI's cap for the legacy completions endpoint
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class ProtocolError(ValueError):
+    """A request body that does not follow the API; `.param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What both generation routes share once the body is parsed."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+@dataclass(frozen=True)
+class CompletionRequest(GenerationRequest):
+    prompt: str | tuple[int, ...]   # text to encode, or token ids as given
+
+
+@dataclass(frozen=True)
+class ChatRequest(GenerationRequest):
+    messages: tuple[dict[str, str], ...]   # {"role", "content"} with text content only
+    want_logprobs: bool
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Decode a JSON body that must be an object; invalid UTF-8 or JSON is a ProtocolError."""
+    if not body:
+        raise ProtocolError("request body is empty; expected a JSON object")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        # orjson rejects invalid UTF-8 with the same error type
+        raise ProtocolError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# --- typed field readers: null means "not given", as OpenAI clients send it ---
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_int(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise ProtocolError(f"'{name}' must be an integer, got {v!r}", name)
+    return v
+
+
+def get_float(body: dict[str, Any], name: str, default: float | None = None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(f"'{name}' must be a number, got {v!r}", name)
+    return float(v)
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ProtocolError(f"'{name}' must be a boolean, got {v!r}", name)
+    return v
+
+
+def get_str(body: dict[str, Any], name: str) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ProtocolError(f"'{name}' must be a string, got {v!r}", name)
+    return v
+
+
+def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise ProtocolError("'stop' must be a string or a list of strings", "stop")
+    return tuple(v)
+
+
+def _get_token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(_is_int(i) for i in v):
+        raise ProtocolError(f"'{name}' must be a list of integers", name)
+    return tuple(v)
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ProtocolError("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return get_bool(opts, "include_usage", False)
+
+
+def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                     rename: dict[str, str]) -> SamplingParams:
+    """Build SamplingParams; `rename` maps SamplingParams field names back to request field names."""
+    try:
+        return SamplingParams(
+            n=get_int(body, "n", 1),
+            max_tokens=max_tokens,
+            temperature=get_float(body, "temperature", 1.0),
+            top_p=get_float(body, "top_p", 1.0),
+            top_k=get_int(body, "top_k", 0),
+            min_p=get_float(body, "min_p", 0.0),
+            seed=get_int(body, "seed"),
+            stop=_get_stop(body),
+            stop_token_ids=_get_token_ids(body, "stop_token_ids"),
+            ignore_eos=get_bool(body, "ignore_eos", False),
+            min_tokens=get_int(body, "min_tokens", 0),
+            presence_penalty=get_float(body, "presence_penalty", 0.0),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            logprobs=logprobs,
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        )
+    except SamplingParamsError as e:
+        raise ProtocolError(str(e), rename.get(e.param, e.param)) from None
+
+
+def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
+    model = get_str(body, "model")
+    stream = get_bool(body, "stream", False)
+    include_usage = _include_usage(body, stream)
+    priority = get_int(body, "priority", 0)
+    get_str(body, "user")  # accepted and ignored, but it must be a string as OpenAI documents
+    return model, stream, include_usage, priority
+
+
+def parse_prompt(v: Any) -> str | tuple[int, ...]:
+    """A completions prompt: a string, a list of token ids, or a list holding one string."""
+    if isinstance(v, str):
+        if not v:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
+        if all(_is_int(i) for i in v):
+            if any(i < 0 for i in v):
+                raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
+            return tuple(v)
+        if all(isinstance(s, str) for s in v) or all(isinstance(s, list) for s in v):
+            if len(v) > 1:
+                raise ProtocolError(
+                    "several prompts in one request are not supported; send one request per prompt",
+                    "prompt")
+            return parse_prompt(v[0])
+    raise ProtocolError("'prompt' must be a string, a list of token ids or a list with one string",
+                        "prompt")
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    if "prompt" not in body or body["prompt"] is None:
+        raise ProtocolError("'prompt' is required", "prompt")
+    prompt = parse_prompt(body["prompt"])
+    model, stream, include_usage, priority = _common(body)
+    if get_bool(body, "echo", False):
+        raise ProtocolError("'echo' is not supported", "echo")
+    logprobs = get_int(body, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise ProtocolError(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {logprobs}",
+                            "logprobs")
+    # the completions endpoint keeps OpenAI's historical default of 16 tokens
+    max_tokens = get_int(body, "max_tokens", 16)
+    params = _sampling_params(body, max_tokens, logprobs, {})
+    return CompletionRequest(model=model, params=params, stream=stream, include_usage=include_usage,
+                             priority=priority, prompt=prompt)
+
+
+def parse_messages(v: Any) -> tuple[dict[str, str], ...]:
+    """Chat messages with text content; list content is joined from its text parts."""
+    if not isinstance(v, list) or not v:
+        raise ProtocolError("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise ProtocolError(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ProtocolError(f"messages[{i}].role must be a non-empty string", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ProtocolError(
+                        f"messages[{i}].content: only 'text' parts are supported, got {kind!r}",
+                        "messages")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ProtocolError(f"messages[{i}].content text parts need a string 'text'",
+                                        "messages")
+                texts.append(text)
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise ProtocolError(f"messages[{i}].content must be a string or a list of parts",
+                                "messages")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    if body.get("messages") is None:
+        raise ProtocolError("'messages' is required", "messages")
+    messages = parse_messages(body["messages"])
+    model, stream, include_usage, priority = _common(body)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs")
+    if top is not None:
+        if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+            raise ProtocolError(f"'top_logprobs' must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top}",
+                                "top_logprobs")
+        if not want_logprobs and top > 0:
+            raise ProtocolError("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_int(body, max_name)
+    params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None,
+                              {"max_tokens": max_name, "logprobs": "top_logprobs"})
+    return ChatRequest(model=model, params=params, stream=stream, include_usage=include_usage,
+                       priority=priority, messages=messages, want_logprobs=want_logprobs)
+
+
+def params_for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice `index` of an n-way request: n=1 each, seed shifted so choices differ."""
+    seed = None if params.seed is None else (params.seed + index) % 2**64
+    return replace(params, n=1, seed=seed)

@@ -1,0 +1,701 @@
+"""HTTP/1.1 server over httptools: keep-alive, ordered pipelining, limits, chunked streaming.
+
+One `_Connection` protocol per socket parses ahead into a queue and a single worker task answers
+the queue strictly in order, so the handler for request k+1 starts only after response k is written.
+The server knows nothing of the engine: it calls one `Handler` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+from urllib.parse import unquote_to_bytes
+
+import httptools
+
+from vt.http.errors import HttpError, error_body
+
+logger = logging.getLogger("vt.http")
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Framing is ours: a handler may not override how the body is delimited.
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+# Write-buffer marks: a streaming writer waits above HIGH, so a slow reader costs at most this much.
+_WRITE_HIGH = 256 * 1024
+_WRITE_LOW = 64 * 1024
+_LINGER_S = 2.0  # how long a rejected client may keep sending before we close for good
+_READ_SLACK = 256 * 1024  # the most one socket read hands us (asyncio: 256 KiB, uvloop: 64 KiB)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-connection limits; every value must be positive."""
+
+    max_header_bytes: int = 65536  # URL + header names + values; 431 beyond
+    max_body_bytes: int = 16 * 1024 * 1024  # 413 beyond (Content-Length up front, chunked as it arrives)
+    header_timeout_s: float = 10.0  # the whole head must arrive within this, from its first byte
+    body_timeout_s: float = 30.0  # the whole body must arrive within this, from the end of the head
+    keepalive_timeout_s: float = 30.0  # idle connections are closed after this
+    max_connections: int = 1024  # beyond: 503 and close
+    max_pipelined: int = 64  # parsed-but-unanswered requests before reading pauses
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_header_bytes",
+            "max_body_bytes",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keepalive_timeout_s",
+            "max_connections",
+            "max_pipelined",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"HttpLimits.{name} must be a positive number, got {value!r}")
+
+
+@dataclass
+class HttpRequest:
+    """One parsed request as the handler sees it."""
+
+    method: str
+    path: str  # percent-decoded, without the query
+    query: str  # raw query string, without '?'
+    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+    body: bytes
+    client: tuple | None
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)  # set when the peer goes away
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class StreamResponse:
+    """A chunked response: each bytes object the iterator yields is written as one chunk."""
+
+    status: int
+    chunks: AsyncIterator[bytes]
+    content_type: str = "text/event-stream"
+    headers: list = field(default_factory=list)
+
+
+Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
+
+
+@dataclass
+class _Pending:
+    """A fully received request waiting for its turn."""
+
+    request: HttpRequest
+    keep_alive: bool
+    http10: bool
+    is_head: bool
+
+
+@dataclass
+class _Rejection:
+    """A protocol-level error to answer, in order, before closing the connection."""
+
+    status: int
+    message: str
+
+
+class _Reject(Exception):
+    """Raised inside parser callbacks to stop parsing; the status is kept on the connection."""
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+async def _aclose(chunks: object) -> None:
+    """Close a response iterator so the handler's `finally` runs; errors there are only logged."""
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:
+        logger.exception("closing a response stream failed")
+
+
+class _Connection(asyncio.Protocol):
+    """One client socket: parse ahead, queue, answer in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._limits = server.limits
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._client: tuple | None = None
+        # The message being parsed.
+        self._url = bytearray()
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._head_raw = 0
+        self._body = bytearray()
+        self._pending: _Pending | None = None
+        self._in_message = False
+        self._in_head = False
+        self._rejection: _Rejection | None = None
+        # Answering.
+        self._queue: deque[_Pending | _Rejection] = deque()
+        self._worker: asyncio.Task | None = None
+        self._in_handler = False
+        self._current: HttpRequest | None = None
+        self._continue_pending = False
+        # Connection state.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind: str | None = None
+        self._reading_paused = False
+        self._parse_stopped = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future | None = None
+        self._closed = False
+        self._lingering = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._client = transport.get_extra_info("peername")
+        srv = self._server
+        if srv._closing or srv.num_connections >= self._limits.max_connections:
+            self._parse_stopped = True
+            body = error_body("Too many connections", type="server_error")
+            self._write(self._render(503, body, "application/json", [], keep=False, http10=False))
+            srv._count(503)
+            transport.close()
+            return
+        srv._connections.add(self)
+        transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)  # type: ignore[attr-defined]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE chunks are small
+            except (OSError, AttributeError):
+                pass
+        self._set_timer("idle", self._limits.keepalive_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._parse_stopped:
+            return  # no further request will be answered on this connection
+        if self._timer_kind == "idle":
+            self._cancel_timer()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # We speak no other protocol: answer what was parsed, then close.
+            if self._in_message:
+                self._fail(400, "Protocol upgrade is not supported")
+            else:
+                self._stop_parsing()
+            return
+        except Exception as exc:
+            if self._parse_stopped:
+                return  # bytes after a `Connection: close` request: ignored
+            rej = self._rejection or _Rejection(400, "Malformed HTTP request")
+            logger.debug("rejecting request from %s: %s (%r)", self._client, rej.message, exc)
+            self._fail(rej.status, rej.message)
+            return
+        # httptools buffers a header line until it ends, out of our callbacks' sight: bound the raw
+        # bytes a head may take. A chunk in which the head began may also hold the previous
+        # request's tail, hence the slack of one read.
+        if self._in_head:
+            self._head_raw += len(data)
+            if self._head_raw > 2 * self._limits.max_header_bytes + _READ_SLACK:
+                self._fail(431, "Request header fields too large")
+
+    def eof_received(self) -> bool:
+        # A client closing its side means it is gone (HTTP clients do not half-close to wait).
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._parse_stopped = True
+        self._cancel_timer()
+        self._server._connections.discard(self)
+        if self._current is not None:
+            self._current.disconnected.set()
+        for item in self._queue:
+            if isinstance(item, _Pending):
+                item.request.disconnected.set()
+        self._queue.clear()
+        self._wake_writer()
+        # A running handler is left to notice `disconnected`; a stream is stopped at once.
+        if self._worker is not None and not self._in_handler:
+            self._worker.cancel()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    # -- httptools callbacks ----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = bytearray()
+        self._raw_headers = []
+        self._head_bytes = 0
+        self._head_raw = 0
+        self._body = bytearray()
+        self._pending = None
+        self._in_message = True
+        self._in_head = True
+        self._set_timer("head", self._limits.header_timeout_s)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url  # may arrive in several pieces
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in self._raw_headers:
+            name = raw_name.decode("latin-1").lower()
+            value = raw_value.decode("latin-1").strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        te = headers.get("transfer-encoding")
+        if te is not None and te.lower() != "chunked":
+            self._reject(501, f"Unsupported Transfer-Encoding: {te}")
+        cl = headers.get("content-length")
+        if cl is not None:
+            if not cl.isdigit():
+                self._reject(400, "Invalid Content-Length")
+            if int(cl) > self._limits.max_body_bytes:
+                self._reject(413, f"Request body larger than {self._limits.max_body_bytes} bytes")
+        try:
+            url = httptools.parse_url(bytes(self._url))
+        except httptools.HttpParserInvalidURLError:
+            self._reject(400, "Invalid request target")
+        path = unquote_to_bytes(url.path).decode("utf-8", "replace") if url.path else "/"
+        query = url.query.decode("latin-1") if url.query else ""
+        method = self._parser.get_method().decode("ascii", "replace")
+        http10 = self._parser.get_http_version() == "1.0"
+        request = HttpRequest(method, path, query, headers, b"", self._client)
+        self._pending = _Pending(request, self._parser.should_keep_alive(), http10, method == "HEAD")
+        self._set_timer("body", self._limits.body_timeout_s)
+        if headers.get("expect", "").lower() == "100-continue" and not http10:
+            if self._worker is None:
+                self._write(_CONTINUE)
+            else:
+                self._continue_pending = True  # sent once earlier responses are out
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+        if len(self._body) > self._limits.max_body_bytes:
+            self._reject(413, f"Request body larger than {self._limits.max_body_bytes} bytes")
+
+    def on_message_complete(self) -> None:
+        self._cancel_timer()
+        self._in_message = False
+        self._continue_pending = False
+        pending = self._pending
+        self._pending = None
+        if pending is None:
+            return
+        pending.request.body = bytes(self._body)
+        self._body = bytearray()
+        self._queue.append(pending)
+        if not pending.keep_alive:
+            self._stop_parsing()
+        elif len(self._queue) >= self._limits.max_pipelined and not self._reading_paused:
+            self._transport.pause_reading()
+            self._reading_paused = True
+        self._ensure_worker()
+
+    # -- parsing helpers --------------------------------------------------------------------------
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self._limits.max_header_bytes:
+            self._reject(431, "Request header fields too large")
+
+    def _reject(self, status: int, message: str) -> None:
+        self._rejection = _Rejection(status, message)
+        raise _Reject(message)
+
+    def _fail(self, status: int, message: str) -> None:
+        """Answer earlier requests, then this error, then close."""
+        self._stop_parsing()
+        self._queue.append(_Rejection(status, message))
+        self._ensure_worker()
+
+    def _stop_parsing(self) -> None:
+        self._parse_stopped = True
+        self._in_message = False
+        if self._timer_kind in ("head", "body"):
+            self._cancel_timer()
+
+    # -- timers -----------------------------------------------------------------------------------
+
+    def _set_timer(self, kind: str, delay: float) -> None:
+        self._cancel_timer()
+        self._timer_kind = kind
+        self._timer = self._loop.call_later(delay, self._on_timeout, kind)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_kind = None
+
+    def _rearm_message_timer(self) -> None:
+        if self._in_head:
+            self._set_timer("head", self._limits.header_timeout_s)
+        else:
+            self._set_timer("body", self._limits.body_timeout_s)
+
+    def _on_timeout(self, kind: str) -> None:
+        self._timer = None
+        self._timer_kind = None
+        if kind in ("head", "body") and self._reading_paused:
+            return  # the delay is ours (too many queued requests); re-armed on resume
+        if not self._closed:
+            logger.debug("closing connection from %s: %s timeout", self._client, kind)
+            self._close_transport()
+
+    # -- answering --------------------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None and not self._closed:
+            self._worker = self._loop.create_task(self._work())
+
+    async def _work(self) -> None:
+        try:
+            while self._queue and not self._closed:
+                item = self._queue.popleft()
+                if self._reading_paused and len(self._queue) < self._limits.max_pipelined:
+                    self._reading_paused = False
+                    self._transport.resume_reading()
+                    if self._in_message:
+                        self._rearm_message_timer()
+                if isinstance(item, _Rejection):
+                    body = error_body(item.message)
+                    self._write(self._render(item.status, body, "application/json", [], False, False))
+                    self._server._count(item.status)
+                    self._close_lingering()
+                    return
+                keep = await self._serve(item)
+                if not keep or self._closed:
+                    self._close_transport()
+                    return
+                await self._drain()  # a reader that stops reading stops the queue too
+                if self._server._closing:
+                    self._close_transport()
+                    return
+            if self._continue_pending and self._in_message and not self._closed:
+                self._continue_pending = False
+                self._write(_CONTINUE)
+                self._set_timer("body", self._limits.body_timeout_s)
+        except asyncio.CancelledError:
+            pass  # the connection went away or the server is shutting down
+        finally:
+            self._worker = None
+            if self._parse_stopped and not self._queue and not self._lingering:
+                self._close_transport()
+            elif not self._closed and not self._queue and not self._in_message:
+                self._set_timer("idle", self._limits.keepalive_timeout_s)
+
+    async def _serve(self, item: _Pending) -> bool:
+        """Run the handler for one request and write its response; return whether to keep alive."""
+        req = item.request
+        srv = self._server
+        self._current = req
+        srv._in_flight += 1
+        try:
+            self._in_handler = True
+            try:
+                resp = await srv.handler(req)
+                if not isinstance(resp, (Response, StreamResponse)):
+                    raise TypeError(f"handler returned {type(resp).__name__}, not Response/StreamResponse")
+            except HttpError as exc:
+                resp = Response(exc.status, exc.body(), headers=exc.headers)
+            except Exception:
+                logger.exception("handler failed for %s %s", req.method, req.path)
+                resp = self._internal_error()
+            finally:
+                self._in_handler = False
+            if self._closed:
+                if isinstance(resp, StreamResponse):
+                    await _aclose(resp.chunks)
+                return False
+            keep = item.keep_alive and not srv._closing
+            if isinstance(resp, StreamResponse):
+                return await self._send_stream(resp, item, keep)
+            try:
+                payload = self._render_full(resp, item, keep)
+            except (ValueError, TypeError):
+                logger.exception("handler returned an invalid response for %s %s", req.method, req.path)
+                resp = self._internal_error()
+                payload = self._render_full(resp, item, keep)
+            srv._count(resp.status)
+            self._write(payload)
+            return keep
+        finally:
+            self._current = None
+            srv._in_flight_done()
+
+    async def _send_stream(self, resp: StreamResponse, item: _Pending, keep: bool) -> bool:
+        chunked = not item.http10  # HTTP/1.0 has no chunked coding: the close ends the body
+        keep = keep and chunked
+        chunks = resp.chunks
+        extra = list(resp.headers)
+        if not any(str(k).lower() == "cache-control" for k, _ in extra):
+            extra.append(("Cache-Control", "no-cache"))
+        try:
+            head = self._render(resp.status, b"", resp.content_type, extra, keep, item.http10,
+                                length=None, chunked=chunked)
+        except (ValueError, TypeError):
+            logger.exception("handler returned an invalid stream response")
+            await _aclose(chunks)
+            err = self._internal_error()
+            self._server._count(err.status)
+            self._write(self._render_full(err, item, keep))
+            return keep
+        self._server._count(resp.status)
+        self._write(head)
+        completed = False
+        try:
+            if item.is_head:
+                completed = True
+            else:
+                async for chunk in chunks:
+                    if self._closed:
+                        break
+                    if not chunk:
+                        continue  # an empty chunk would end the chunked body early
+                    self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else bytes(chunk))
+                    if self._write_paused:
+                        await self._drain()
+                    if self._closed:
+                        break
+                else:
+                    if not self._closed:
+                        if chunked:
+                            self._write(b"0\r\n\r\n")
+                        completed = True
+        except Exception:
+            logger.exception("response stream failed")
+        finally:
+            await _aclose(chunks)
+        if not completed:
+            # Headers are out: the only way left to signal failure is an unterminated body.
+            self._close_transport()
+            return False
+        return keep
+
+    async def _drain(self) -> None:
+        while self._write_paused and not self._closed:
+            waiter = self._loop.create_future()
+            self._drain_waiter = waiter
+            await waiter
+
+    def _wake_writer(self) -> None:
+        waiter = self._drain_waiter
+        self._drain_waiter = None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _internal_error(self) -> Response:
+        return Response(500, error_body("Internal server error", type="server_error"))
+
+    # -- output -----------------------------------------------------------------------------------
+
+    def _render_full(self, resp: Response, item: _Pending, keep: bool) -> bytes:
+        no_body = resp.status < 200 or resp.status in (204, 304)
+        body = resp.body
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            raise TypeError(f"Response.body must be bytes, got {type(body).__name__}")
+        head = self._render(
+            resp.status,
+            b"",
+            None if no_body else resp.content_type,
+            resp.headers,
+            keep,
+            item.http10,
+            length=None if no_body else len(body),
+        )
+        return head if no_body or item.is_head else head + bytes(body)
+
+    def _render(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str | None,
+        headers: list,
+        keep: bool,
+        http10: bool,
+        length: int | None = -1,
+        chunked: bool = False,
+    ) -> bytes:
+        """Status line + headers (+ `body` when `length` is -1, meaning "use len(body)")."""
+        if not isinstance(status, int) or not 100 <= status <= 999:
+            raise ValueError(f"invalid HTTP status {status!r}")
+        lines = [f"HTTP/1.1 {status} {_reason(status)}", "Server: vt", f"Date: {self._server._date()}"]
+        if content_type:
+            lines.append(f"Content-Type: {content_type}")
+        if length == -1:
+            lines.append(f"Content-Length: {len(body)}")
+        elif length is not None:
+            lines.append(f"Content-Length: {length}")
+        if chunked:
+            lines.append("Transfer-Encoding: chunked")
+        if not keep:
+            lines.append("Connection: close")
+        elif http10:
+            lines.append("Connection: keep-alive")
+        for name, value in headers:
+            name, value = str(name), str(value)
+            if any(c in name or c in value for c in "\r\n") or not name:
+                raise ValueError(f"invalid response header {name!r}")
+            if name.lower() not in _FRAMING_HEADERS:
+                lines.append(f"{name}: {value}")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return head + body if length == -1 else head
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def _close_lingering(self) -> None:
+        """Send FIN but keep reading (and dropping) for a while.
+
+        Closing with unread request bytes makes the kernel send RST, which can destroy the error
+        response before the client reads it.
+        """
+        transport = self._transport
+        self._parse_stopped = True
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            self._close_transport()
+            return
+        self._lingering = True
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        transport.write_eof()
+        self._set_timer("linger", _LINGER_S)
+
+    def _close_transport(self) -> None:
+        self._parse_stopped = True
+        self._cancel_timer()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def close_if_idle(self) -> None:
+        if self._worker is None:
+            self._close_transport()
+
+    def shutdown(self) -> asyncio.Task | None:
+        """Close now; returns the worker (cancelled) so the caller can wait for its cleanup."""
+        worker = self._worker
+        self._close_transport()
+        if worker is not None:
+            worker.cancel()
+        return worker
+
+
+class HttpServer:
+    """Serves `handler` over HTTP/1.1 on one listening socket."""
+
+    def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits()) -> None:
+        if not callable(handler):
+            raise TypeError("handler must be an async callable taking an HttpRequest")
+        if not isinstance(limits, HttpLimits):
+            raise TypeError("limits must be an HttpLimits")
+        self.handler = handler
+        self.limits = limits
+        self.responses_total: dict[int, int] = {}
+        self._in_flight = 0
+        self._connections: set[_Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._closing = False
+        self._drained: asyncio.Event | None = None
+        self._date_second = -1
+        self._date_value = ""
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on host:port (port 0 picks a free one, see `.port`)."""
+        if self._server is not None:
+            raise RuntimeError("HttpServer already started")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=2048
+        )
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("HttpServer is not listening")
+        return self._server.sockets[0].getsockname()[1]
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose handler has started and whose response is not fully written."""
+        return self._in_flight
+
+    async def close(self, timeout: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to `timeout` s, then close everything."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.close_if_idle()
+        if self._in_flight > 0:
+            self._drained = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._drained.wait(), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("closing with %d requests still in flight", self._in_flight)
+        workers = [w for w in (conn.shutdown() for conn in list(self._connections)) if w is not None]
+        if workers:
+            await asyncio.wait(workers, timeout=1.0)
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _in_flight_done(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._drained is not None:
+            self._drained.set()
+
+    def _count(self, status: int) -> None:
+        self.responses_total[status] = self.responses_total.get(status, 0) + 1
+
+    def _date(self) -> str:
+        now = int(time.time())
+        if now != self._date_second:  # formatting once a second is plenty
+            self._date_second = now
+            self._date_value = formatdate(now, usegmt=True)
+        return self._date_value

@@ -1,0 +1,204 @@
+// Paged causal attention over a ragged batch: one kernel for prefill, chunked prefill and decode.
+//
+// Grid: x = tiles of 4 * R query rows, y = kv head, z = sequence * num_splits. A query "row" of a
+// sequence is a (token j, head g of the GQA group) pair, row = j * G + g, so the G heads that share
+// a kv head share every K/V tile the block loads. Each warp owns R rows; lane l scores key l of
+// the 32-key tile and owns output dims (2p, 2p + 1) for p = l + 32 i. Scores live in the log2
+// domain (q pre-scaled by scale * log2 e) with an online softmax in fp32.
+// With num_splits > 1 each split covers a slice of the key tiles and writes unnormalised
+// partials (o, m, l) that attention_combine_k merges; the slice is derived from the actual
+// seq_len, so a captured launch stays right for any context up to the one it was sized for.
+//
+// Shared memory (dynamic): V tile [32][d/2] words, Q rows [4R][d/2] float2, K tile [32][d/2 + 1]
+// words (the pad word makes lane l's row start in bank l, so the score loop is conflict free).
+
+#define KT 32
+#define MAXP 4  // head dim up to 256
+
+template <int R>
+__device__ __forceinline__ void attention_body(
+    const bf16_t* __restrict__ q, int q_stride, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ query_start_loc,
+    const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int total_tokens, int hq, int hk, int d, int block_size, float scale_log2, int num_splits) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int half = d / 2;
+    unsigned int* vs = reinterpret_cast<unsigned int*>(smem);
+    float2* qs = reinterpret_cast<float2*>(smem + KT * half * 4);
+    unsigned int* ks = reinterpret_cast<unsigned int*>(smem + KT * half * 4 + 4 * R * half * 8);
+
+    const int group = hq / hk;
+    const int kh = blockIdx.y;
+    const int b = blockIdx.z / num_splits, split = blockIdx.z % num_splits;
+    const int q0 = query_start_loc[b];
+    const int qlen = query_start_loc[b + 1] - q0;
+    const int ctx = seq_lens[b];
+    const int nrows = qlen * group;
+    const int row0 = blockIdx.x * 4 * R;
+    if (row0 >= nrows) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    // Keys this block needs: up to the position of its last row.
+    const int last_row = min(row0 + 4 * R, nrows) - 1;
+    const int kv_end = min(ctx, ctx - qlen + last_row / group + 1);
+    const int ntiles = (kv_end + KT - 1) / KT;
+    const int chunk = (ntiles + num_splits - 1) / num_splits;
+    const int tile0 = split * chunk, tile1 = min(ntiles, tile0 + chunk);
+
+    // Stage this block's query rows, scaled, as float pairs.
+    for (int e = threadIdx.x; e < 4 * R * half; e += blockDim.x) {
+        const int lr = e / half, p = e % half, r = row0 + lr;
+        float2 v = make_float2(0.f, 0.f);
+        if (r < nrows) {
+            const int t = q0 + r / group, h = kh * group + r % group;
+            const unsigned int w =
+                *reinterpret_cast<const unsigned int*>(q + (size_t)t * q_stride + (size_t)h * d + 2 * p);
+            v = make_float2(lo_f(w) * scale_log2, hi_f(w) * scale_log2);
+        }
+        qs[e] = v;
+    }
+
+    int pos[R];
+    float m[R], l[R], o_lo[R][MAXP], o_hi[R][MAXP];
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+        const int r = row0 + warp * R + rr;
+        pos[rr] = r < nrows ? ctx - qlen + r / group : -1;
+        m[rr] = -VT_INF;
+        l[rr] = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAXP; ++i) { o_lo[rr][i] = 0.f; o_hi[rr][i] = 0.f; }
+    }
+
+    const int chunks_per_tok = d / 8;
+    for (int tile = tile0; tile < tile1; ++tile) {
+        __syncthreads();  // previous tile fully consumed (and q staged, on the first pass)
+        for (int c = threadIdx.x; c < KT * chunks_per_tok; c += blockDim.x) {
+            const int tok = c / chunks_per_tok, part = c % chunks_per_tok;
+            const int kpos = tile * KT + tok;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (kpos < kv_end) {
+                const int blk = block_tables[(size_t)b * max_blocks + kpos / block_size];
+                const size_t base = (((size_t)blk * block_size + kpos % block_size) * hk + kh) * d + part * 8;
+                kv = *reinterpret_cast<const uint4*>(k_cache + base);
+                vv = *reinterpret_cast<const uint4*>(v_cache + base);
+            }
+            unsigned int* kr = ks + tok * (half + 1) + part * 4;
+            kr[0] = kv.x; kr[1] = kv.y; kr[2] = kv.z; kr[3] = kv.w;
+            *reinterpret_cast<uint4*>(vs + tok * half + part * 4) = vv;
+        }
+        __syncthreads();
+        const int kpos = tile * KT + lane;
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+            if (pos[rr] < tile * KT) continue;  // warp-uniform: this row sees nothing of the tile
+            const float2* qr = qs + (warp * R + rr) * half;
+            const unsigned int* kr = ks + lane * (half + 1);
+            float s = 0.f;
+            for (int p = 0; p < half; ++p) {
+                const float2 qq = qr[p];
+                const unsigned int w = kr[p];
+                s += qq.x * lo_f(w) + qq.y * hi_f(w);
+            }
+            const bool valid = kpos <= pos[rr];
+            s = valid ? s : -VT_INF;
+            const float m_new = fmaxf(m[rr], warp_max(s));
+            const float corr = exp2f(m[rr] - m_new);
+            const float pj = valid ? exp2f(s - m_new) : 0.f;
+            l[rr] = l[rr] * corr + warp_sum(pj);
+            m[rr] = m_new;
+#pragma unroll
+            for (int i = 0; i < MAXP; ++i) { o_lo[rr][i] *= corr; o_hi[rr][i] *= corr; }
+            const int jmax = min(KT, pos[rr] - tile * KT + 1);
+            for (int j = 0; j < jmax; ++j) {
+                const float pb = __shfl_sync(0xffffffffu, pj, j);
+                const unsigned int* vr = vs + j * half;
+#pragma unroll
+                for (int i = 0; i < MAXP; ++i) {
+                    const int p = lane + 32 * i;
+                    if (p < half) {
+                        const unsigned int w = vr[p];
+                        o_lo[rr][i] += pb * lo_f(w);
+                        o_hi[rr][i] += pb * hi_f(w);
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+        if (pos[rr] < 0) continue;
+        const int r = row0 + warp * R + rr;
+        const int t = q0 + r / group, h = kh * group + r % group;
+        if (num_splits == 1) {
+            const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+            unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * d);
+#pragma unroll
+            for (int i = 0; i < MAXP; ++i) {
+                const int p = lane + 32 * i;
+                if (p < half) orow[p] = pack2(o_lo[rr][i] * inv, o_hi[rr][i] * inv);
+            }
+        } else {
+            const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
+            float2* po = reinterpret_cast<float2*>(part_o + prow * d);
+#pragma unroll
+            for (int i = 0; i < MAXP; ++i) {
+                const int p = lane + 32 * i;
+                if (p < half) po[p] = make_float2(o_lo[rr][i], o_hi[rr][i]);
+            }
+            if (lane == 0) { part_ml[prow * 2] = m[rr]; part_ml[prow * 2 + 1] = l[rr]; }
+        }
+    }
+}
+
+#define ATTENTION_ENTRY(NAME, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
+        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
+        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int d,             \
+        int block_size, float scale_log2, int num_splits) {                                              \
+        attention_body<R>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,        \
+                          max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,         \
+                          scale_log2, num_splits);                                                       \
+    }
+
+ATTENTION_ENTRY(attention_r1, 1)
+ATTENTION_ENTRY(attention_r2, 2)
+ATTENTION_ENTRY(attention_r4, 4)
+
+// Merge split partials of every (token, head) row: one block of 64 threads per row.
+// Rows no split wrote (padding tokens) are left alone by checking the coverage mask.
+extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                               const int* __restrict__ query_start_loc, int num_seqs,
+                                               bf16_t* __restrict__ out, int total_tokens, int hq, int d,
+                                               int num_splits) {
+    const int row = blockIdx.x;  // t * hq + h
+    const int t = row / hq;
+    if (t >= query_start_loc[num_seqs]) return;  // padding rows past the last sequence
+    float mmax = -VT_INF;
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[((size_t)s * total_tokens * hq + row) * 2]);
+    float denom = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+        const size_t pr = (size_t)s * total_tokens * hq + row;
+        const float ms = part_ml[pr * 2];
+        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    const int half = d / 2;
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float a = 0.f, c = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const size_t pr = (size_t)s * total_tokens * hq + row;
+            const float ms = part_ml[pr * 2];
+            if (ms > -VT_INF) {
+                const float wgt = exp2f(ms - mmax);
+                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
+                a += wgt * v.x;
+                c += wgt * v.y;
+            }
+        }
+        reinterpret_cast<unsigned int*>(out + (size_t)row * d)[p] = pack2(a * inv, c * inv);
+    }
+}

@@ -1,0 +1,87 @@
+// Helpers shared by every kernel file (prepended to each source before NVRTC compiles it).
+// bf16 values travel as raw 16-bit patterns: converting by hand keeps the sources free of
+// header lookups under NVRTC and rounds exactly like ml_dtypes (round to nearest even).
+
+typedef unsigned short bf16_t;
+
+// NVRTC sees no math.h: spell infinity out.
+#define VT_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  // keep NaN a NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// A 32-bit word holds two bf16: the element at the lower address in the low half.
+__device__ __forceinline__ float lo_f(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_f(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ unsigned int pack2(float a, float b) {
+    return (unsigned int)f2bf(a) | ((unsigned int)f2bf(b) << 16);
+}
+
+// 8 bf16 <-> 8 floats through one 16-byte access.
+__device__ __forceinline__ void load8(const bf16_t* p, float* f) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
+    f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
+}
+__device__ __forceinline__ void store8(bf16_t* p, const float* f) {
+    uint4 v;
+    v.x = pack2(f[0], f[1]); v.y = pack2(f[2], f[3]); v.z = pack2(f[4], f[5]); v.w = pack2(f[6], f[7]);
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide reductions (blockDim.x a multiple of 32); every thread gets the result.
+// scratch: 32 floats of shared memory; the leading barrier lets callers reuse it back to back.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < nw ? scratch[lane] : 0.f);
+}
+__device__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < nw ? scratch[lane] : -VT_INF);
+}
+
+// (value, index) argmax with ties to the lower index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+// scratch_v / scratch_i: 32 entries each of shared memory.
+__device__ void block_argmax(float& v, int& i, float* scratch_v, int* scratch_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { scratch_v[warp] = v; scratch_i[warp] = i; }
+    __syncthreads();
+    v = lane < nw ? scratch_v[lane] : -VT_INF;
+    i = lane < nw ? scratch_i[lane] : 0x7fffffff;
+    warp_argmax(v, i);
+}

@@ -1,0 +1,644 @@
+"""The CUDA backend: bf16 weights and activations, RawKernels from the *.cu files, cuBLAS GEMMs.
+
+Act arrays are cupy uint16 arrays holding bf16 bits. Outputs of ops come from the current slot's
+workspace arena (a bump allocator over one preallocated buffer) so a step never allocates from
+the pool and a captured graph sees the same pointers on every replay; outside any slot context
+ops allocate plainly from CuPy's pool (tests, setup).
+
+Beyond base.Backend: arena_mark() / arena_reset(mark) on the active slot's arena, and the
+dtype "i64" in zeros/from_host (sampler seeds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from vt.kernels.cublas_capture import CublasGemm, load_libcublas
+
+_DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
+_NUM_SLOTS = 2
+_ALIGN = 256
+_KERNEL_FILES = ("elementwise.cu", "attention.cu", "sampling.cu")
+_ATTN_SMEM_MAX = 100 * 1024
+_GREEDY_EPS = 1e-5
+_LOG2E = 1.4426950408889634
+_i32 = np.int32
+_f32 = np.float32
+
+
+def _bf16_bits(host: np.ndarray) -> np.ndarray:
+    """Host float32 / float16 / bfloat16 (or uint16 bf16 bits, as the loader keeps them) -> uint16 bits."""
+    if host.dtype == np.uint16:
+        return np.ascontiguousarray(host)
+    if host.dtype == ml_dtypes.bfloat16:
+        return np.ascontiguousarray(host).view(np.uint16)
+    if host.dtype in (np.float32, np.float16, np.float64):
+        return np.ascontiguousarray(host.astype(ml_dtypes.bfloat16)).view(np.uint16)
+    raise TypeError(f"cannot upload dtype {host.dtype} as bf16; expected float32, float16 or bfloat16")
+
+
+class _Arena:
+    """Bump allocator over one device buffer; 256-byte aligned; reset() frees everything at once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = cupy.empty((nbytes,), dtype=np.uint8)
+        self.nbytes = nbytes
+        self.offset = 0
+
+    def take(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        start = -(-self.offset // _ALIGN) * _ALIGN
+        if start + size > self.nbytes:
+            raise MemoryError(
+                f"workspace arena exhausted: {size} bytes asked at offset {start} of {self.nbytes}; "
+                f"raise CudaBackend(workspace_bytes=...)"
+            )
+        self.offset = start + size
+        return cupy.ndarray(shape, dtype=dtype, memptr=self.buf.data + start)
+
+
+class _Slot:
+    """One in-flight step's stream, arena, events and cuBLAS handle."""
+
+    def __init__(self, workspace_bytes: int, gemm: CublasGemm) -> None:
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.arena = _Arena(workspace_bytes)
+        self.done_event = cupy.cuda.Event(disable_timing=True)
+        self.fence_event = cupy.cuda.Event(disable_timing=True)
+        self.gemm = gemm
+
+
+class _Graph:
+    """A captured CUDA graph replayed on its slot's stream."""
+
+    def __init__(self, graph: Any, stream: cupy.cuda.Stream) -> None:
+        self._graph = graph
+        self._stream = stream
+
+    def replay(self) -> None:
+        self._graph.launch(self._stream)
+
+
+def _token_stride(x: cupy.ndarray, name: str) -> int:
+    """Element stride of dim 0 for x[T, N, D] whose inner two dims are contiguous bf16."""
+    if x.ndim != 3 or x.dtype != np.uint16:
+        raise ValueError(f"{name} must be a 3-d act array, got shape {x.shape} dtype {x.dtype}")
+    _, n, d = x.shape
+    if x.strides[2] != 2 or (n > 1 and x.strides[1] != 2 * d) or x.strides[0] % 16 or x.data.ptr % 16:
+        raise ValueError(f"{name} must have contiguous heads and 16-byte aligned rows (strides {x.strides})")
+    return x.strides[0] // 2
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20) -> None:
+        if workspace_bytes <= 0:
+            raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+        self._tls = threading.local()  # per-thread active arena (cupy's current stream is per thread too)
+        self._kernels = self._compile()
+        self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        lib = load_libcublas()
+        new_gemm = lambda: CublasGemm(lib, cupy.empty((cublas_workspace_bytes,), dtype=np.uint8))
+        self._slots = [_Slot(workspace_bytes, new_gemm()) for _ in range(_NUM_SLOTS)]
+        self._loose_gemm = new_gemm()  # for ops outside slots, on whatever stream is current
+
+    # ---- compilation ----------------------------------------------------------------------
+    def _compile(self) -> dict[str, Any]:
+        pkg = importlib.resources.files("vt.kernels")
+        common = pkg.joinpath("cuda_common.cu").read_text()
+        kernels: dict[str, Any] = {}
+        for fname in _KERNEL_FILES:
+            module = cupy.RawModule(
+                code=common + "\n" + pkg.joinpath(fname).read_text(), options=("-std=c++17",)
+            )
+            module.compile()
+            kernels[fname] = module
+        names = {
+            "elementwise.cu": (
+                "gather_rows_k",
+                "rms_norm_k",
+                "head_rms_norm_k",
+                "rope_k",
+                "write_kv_k",
+                "silu_mul_k",
+                "bias_add_k",
+                "fill_from_last_k",
+            ),
+            "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
+            "sampling.cu": (
+                "log_softmax_topk_k",
+                "penalize_k",
+                "ban_tokens_k",
+                "record_sampled_k",
+                "sample_k",
+            ),
+        }
+        fns = {n: kernels[f].get_function(n) for f, ns in names.items() for n in ns}
+        for n in ("attention_r1", "attention_r2", "attention_r4"):
+            fn = fns[n]
+            getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
+        return fns
+
+    def _launch(
+        self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+    ) -> None:
+        self._kernels[name](grid, block, args, shared_mem=shared_mem)
+
+    # ---- memory -------------------------------------------------------------------------
+    def _arena(self) -> _Arena | None:
+        return getattr(self._tls, "arena", None)
+
+    def _out(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
+        arena = self._arena()
+        return arena.take(shape, dtype) if arena is not None else cupy.empty(shape, dtype=dtype)
+
+    # Setup copies and memsets run on the current stream; the slot streams are non-blocking and
+    # do not order against it, so persistent buffers are finished before they are handed out.
+    @staticmethod
+    def _settled(x: cupy.ndarray) -> cupy.ndarray:
+        cupy.cuda.get_current_stream().synchronize()
+        return x
+
+    def upload(self, host: np.ndarray) -> cupy.ndarray:
+        return self._settled(cupy.asarray(_bf16_bits(np.asarray(host))))
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> cupy.ndarray:
+        return self._settled(cupy.zeros(shape, dtype=self._dtype(dtype)))
+
+    def from_host(self, host: np.ndarray, dtype: str) -> cupy.ndarray:
+        host = np.asarray(host)
+        if dtype == "act":
+            return self._settled(cupy.asarray(_bf16_bits(host)))
+        return self._settled(cupy.asarray(np.ascontiguousarray(host, dtype=self._dtype(dtype))))
+
+    @staticmethod
+    def _dtype(dtype: str) -> Any:
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"unknown backend dtype {dtype!r}; expected one of {tuple(_DTYPES)}") from None
+
+    def to_host(self, x: cupy.ndarray) -> np.ndarray:
+        # Whole-device sync: x may come from any slot stream (tests, setup; never the step path).
+        cupy.cuda.Device().synchronize()
+        host = cupy.asnumpy(x)
+        if host.dtype == np.uint16:
+            return (host.astype(np.uint32) << 16).view(np.float32)
+        return host
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device memory in bytes, for sizing the KV cache."""
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        mem = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+        return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+
+    @staticmethod
+    def _copy_bytes(dst: Any, src: Any) -> int:
+        n = min(len(dst), len(src))
+        if n == 0:
+            return 0
+        if dst.dtype.itemsize != src.dtype.itemsize or dst.shape[1:] != src.shape[1:]:
+            raise ValueError(f"copy between {src.dtype}{src.shape} and {dst.dtype}{dst.shape}: rows differ")
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            raise ValueError("copy_h2d / copy_d2h need C-contiguous arrays")
+        return n * (src.nbytes // len(src))
+
+    def copy_h2d(self, dst: cupy.ndarray, src: np.ndarray) -> None:
+        nbytes = self._copy_bytes(dst, src)
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(
+                dst.data.ptr,
+                src.ctypes.data,
+                nbytes,
+                cupy.cuda.runtime.memcpyHostToDevice,
+                cupy.cuda.get_current_stream().ptr,
+            )
+
+    def copy_d2h(self, dst: np.ndarray, src: cupy.ndarray) -> None:
+        nbytes = self._copy_bytes(dst, src)
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(
+                dst.ctypes.data,
+                src.data.ptr,
+                nbytes,
+                cupy.cuda.runtime.memcpyDeviceToHost,
+                cupy.cuda.get_current_stream().ptr,
+            )
+
+    # ---- model ops ----------------------------------------------------------------------
+    @staticmethod
+    def _rows_ok(x: cupy.ndarray, name: str) -> None:
+        if x.dtype != np.uint16 or x.ndim != 2 or not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous 2-d act array, got {x.dtype}{x.shape}")
+        if x.shape[1] % 8 or x.data.ptr % 16:
+            raise ValueError(f"{name}: rows must hold a multiple of 8 elements on 16-byte aligned memory")
+
+    def gather_rows(self, x: cupy.ndarray, idx: cupy.ndarray) -> cupy.ndarray:
+        self._rows_ok(x, "gather_rows x")
+        n, width = idx.shape[0], x.shape[1]
+        out = self._out((n, width), np.uint16)
+        if n:
+            self._launch("gather_rows_k", (n,), (128,), (idx, x, out, _i32(n), _i32(width), _i32(x.shape[0])))
+        return out
+
+    def embed(self, ids: cupy.ndarray, table: cupy.ndarray) -> cupy.ndarray:
+        return self.gather_rows(table, ids)
+
+    def rms_norm(
+        self, x: cupy.ndarray, weight: cupy.ndarray, eps: float, residual: cupy.ndarray | None
+    ) -> tuple[cupy.ndarray, cupy.ndarray]:
+        self._rows_ok(x, "rms_norm x")
+        t, h = x.shape
+        y = self._out((t, h), np.uint16)
+        if residual is not None:
+            self._rows_ok(residual, "rms_norm residual")
+            r = self._out((t, h), np.uint16)
+        else:
+            r = x
+        if t:
+            threads = min(1024, max(32, -(-h // 8 // 32) * 32))
+            self._launch(
+                "rms_norm_k",
+                (t,),
+                (threads,),
+                (x, residual if residual is not None else 0, weight, y, r, _i32(h), _f32(eps)),
+            )
+        return y, r
+
+    def head_rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float) -> cupy.ndarray:
+        stride = _token_stride(x, "head_rms_norm x")
+        t, n, d = x.shape
+        if d % 8:
+            raise ValueError(f"head dim {d} must be a multiple of 8")
+        y = self._out((t, n, d), np.uint16)
+        if t:
+            self._launch(
+                "head_rms_norm_k",
+                (-(-t * n // 4),),
+                (128,),
+                (x, _i32(stride), weight, y, _i32(t), _i32(n), _i32(d), _f32(eps)),
+            )
+        return y
+
+    def linear(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
+        y = self._gemm(x, w, out_f32=False)
+        if bias is not None and y.shape[0]:
+            n = y.shape[1]
+            if n % 8:
+                raise ValueError(f"bias width {n} must be a multiple of 8")
+            chunks = y.shape[0] * n // 8
+            self._launch("bias_add_k", (-(-chunks // 256),), (256,), (y, bias, _i32(y.shape[0]), _i32(n)))
+        return y
+
+    def logits(self, x: cupy.ndarray, w: cupy.ndarray) -> cupy.ndarray:
+        return self._gemm(x, w, out_f32=True)
+
+    def _gemm(self, x: cupy.ndarray, w: cupy.ndarray, out_f32: bool) -> cupy.ndarray:
+        if x.ndim != 2 or w.ndim != 2 or x.dtype != np.uint16 or w.dtype != np.uint16:
+            raise ValueError(f"linear needs 2-d act arrays, got x {x.dtype}{x.shape}, w {w.dtype}{w.shape}")
+        t, k = x.shape
+        n, kw = w.shape
+        if k != kw:
+            raise ValueError(f"linear: x has {k} columns but w has {kw}")
+        if not w.flags.c_contiguous or x.strides[1] != 2:
+            raise ValueError("linear: w must be C-contiguous and x rows contiguous")
+        y = self._out((t, n), np.float32 if out_f32 else np.uint16)
+        if t and n:
+            ld = x.strides[0] // 2 if t > 1 else k
+            gemm = self._current_gemm()
+            gemm.linear(
+                cupy.cuda.get_current_stream().ptr, x.data.ptr, ld, w.data.ptr, y.data.ptr, t, n, k, out_f32
+            )
+        return y
+
+    def _current_gemm(self) -> CublasGemm:
+        arena = self._arena()
+        for s in self._slots:
+            if s.arena is arena:
+                return s.gemm
+        return self._loose_gemm
+
+    def rope(self, q: cupy.ndarray, k: cupy.ndarray, positions: cupy.ndarray, inv_freq: cupy.ndarray) -> None:
+        qs, ks = _token_stride(q, "rope q"), _token_stride(k, "rope k")
+        t, hq, d = q.shape
+        if k.shape[0] != t or k.shape[2] != d or inv_freq.shape[0] != d // 2:
+            raise ValueError(f"rope: shapes q {q.shape}, k {k.shape}, inv_freq {inv_freq.shape} disagree")
+        if t:
+            self._launch(
+                "rope_k",
+                (t,),
+                (256,),
+                (q, _i32(qs), k, _i32(ks), positions, inv_freq, _i32(hq), _i32(k.shape[1]), _i32(d)),
+            )
+
+    def write_kv(
+        self,
+        k: cupy.ndarray,
+        v: cupy.ndarray,
+        k_cache: cupy.ndarray,
+        v_cache: cupy.ndarray,
+        slot_mapping: cupy.ndarray,
+    ) -> None:
+        kst, vst = _token_stride(k, "write_kv k"), _token_stride(v, "write_kv v")
+        t, hk, d = k.shape
+        nb, bs, hkc, dc = k_cache.shape
+        if (hkc, dc) != (hk, d) or v_cache.shape != k_cache.shape or v.shape != k.shape:
+            raise ValueError(f"write_kv: k {k.shape}, v {v.shape}, caches {k_cache.shape} disagree")
+        if (hk * d) % 8:
+            raise ValueError("write_kv: kv row must be a multiple of 8 elements")
+        if t:
+            self._launch(
+                "write_kv_k",
+                (t,),
+                (128,),
+                (k, _i32(kst), v, _i32(vst), k_cache, v_cache, slot_mapping, _i32(hk * d), np.int64(nb * bs)),
+            )
+
+    def attention(
+        self,
+        q: cupy.ndarray,
+        k_cache: cupy.ndarray,
+        v_cache: cupy.ndarray,
+        query_start_loc: cupy.ndarray,
+        seq_lens: cupy.ndarray,
+        block_tables: cupy.ndarray,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> cupy.ndarray:
+        """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
+        the real values (capture with the largest ones the graph will serve)."""
+        qst = _token_stride(q, "attention q")
+        t, hq, d = q.shape
+        nb, bs, hk, dc = k_cache.shape
+        if dc != d or hq % hk or d % 8 or d > 256:
+            raise ValueError(
+                f"attention: q {q.shape} vs cache {k_cache.shape} (head dim multiple of 8, <= 256)"
+            )
+        if not block_tables.flags.c_contiguous or block_tables.ndim != 2:
+            raise ValueError("attention: block_tables must be a C-contiguous i32[B, max_blocks]")
+        out = self._out((t, hq, d), np.uint16)
+        b = seq_lens.shape[0]
+        if t == 0 or b == 0 or max_query_len <= 0:
+            return out
+        r, row_tiles, splits = attention_launch_shape(
+            self._num_sms, b, hk, max_query_len * (hq // hk), max_seq_len
+        )
+        half = d // 2
+        smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
+        if splits > 1:
+            part_o = self._out((splits, t, hq, d), np.float32)
+            part_ml = self._out((splits, t, hq, 2), np.float32)
+        else:
+            part_o = part_ml = 0
+        scale_log2 = _f32(scale * _LOG2E)
+        self._launch(
+            f"attention_r{r}",
+            (row_tiles, hk, b * splits),
+            (128,),
+            (
+                q,
+                _i32(qst),
+                k_cache,
+                v_cache,
+                query_start_loc,
+                seq_lens,
+                block_tables,
+                _i32(block_tables.shape[1]),
+                out,
+                part_o,
+                part_ml,
+                _i32(t),
+                _i32(hq),
+                _i32(hk),
+                _i32(d),
+                _i32(bs),
+                scale_log2,
+                _i32(splits),
+            ),
+            shared_mem=smem,
+        )
+        if splits > 1:
+            self._launch(
+                "attention_combine_k",
+                (t * hq,),
+                (64,),
+                (part_o, part_ml, query_start_loc, _i32(b), out, _i32(t), _i32(hq), _i32(d), _i32(splits)),
+            )
+        return out
+
+    def silu_mul(self, x: cupy.ndarray) -> cupy.ndarray:
+        self._rows_ok(x, "silu_mul x")
+        t, two_i = x.shape
+        inter = two_i // 2
+        if inter % 8:
+            raise ValueError(f"silu_mul: half width {inter} must be a multiple of 8")
+        out = self._out((t, inter), np.uint16)
+        chunks = t * inter // 8
+        if chunks:
+            self._launch("silu_mul_k", (-(-chunks // 256),), (256,), (x, out, _i32(t), _i32(inter)))
+        return out
+
+    # ---- step plumbing --------------------------------------------------------------------
+    def fill_from_last(
+        self, input_ids: cupy.ndarray, src_rows: cupy.ndarray, last_tokens: cupy.ndarray
+    ) -> None:
+        n = src_rows.shape[0]
+        if n:
+            self._launch(
+                "fill_from_last_k",
+                (-(-n // 256),),
+                (256,),
+                (input_ids, src_rows, last_tokens, _i32(n), _i32(last_tokens.shape[0])),
+            )
+
+    # ---- sampling -------------------------------------------------------------------------
+    @staticmethod
+    def _logits_ok(logits: cupy.ndarray) -> tuple[int, int]:
+        if logits.dtype != np.float32 or logits.ndim != 2 or not logits.flags.c_contiguous:
+            raise ValueError(f"logits must be C-contiguous f32[B, V], got {logits.dtype}{logits.shape}")
+        return logits.shape
+
+    def log_softmax_topk(
+        self, logits: cupy.ndarray, ids: cupy.ndarray, k: int
+    ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+        b, v = self._logits_ok(logits)
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        k = min(k, v)
+        chosen = self._out((b,), np.float32)
+        top_ids = self._out((b, k), np.int32)
+        top_lp = self._out((b, k), np.float32)
+        if b:
+            self._launch(
+                "log_softmax_topk_k", (b,), (1024,), (logits, ids, chosen, top_ids, top_lp, _i32(v), _i32(k))
+            )
+        return chosen, top_ids, top_lp
+
+    def penalize(
+        self,
+        logits: cupy.ndarray,
+        rows: cupy.ndarray,
+        out_counts: cupy.ndarray,
+        prompt_mask: cupy.ndarray,
+        presence: cupy.ndarray,
+        frequency: cupy.ndarray,
+        repetition: cupy.ndarray,
+    ) -> None:
+        b, v = self._logits_ok(logits)
+        if out_counts.shape[1] != v or prompt_mask.shape[1] != v:
+            raise ValueError(
+                f"penalize: vocab {v} vs out_counts {out_counts.shape}, prompt_mask {prompt_mask.shape}"
+            )
+        if b:
+            self._launch(
+                "penalize_k",
+                (-(-v // 256), b),
+                (256,),
+                (logits, rows, out_counts, prompt_mask, presence, frequency, repetition, _i32(v)),
+            )
+
+    def ban_tokens(self, logits: cupy.ndarray, ban: cupy.ndarray) -> None:
+        b, v = self._logits_ok(logits)
+        if b and ban.shape[1]:
+            self._launch("ban_tokens_k", (b,), (128,), (logits, ban, _i32(ban.shape[1]), _i32(v)))
+
+    def sample(
+        self,
+        logits: cupy.ndarray,
+        temperature: cupy.ndarray,
+        top_k: cupy.ndarray,
+        top_p: cupy.ndarray,
+        min_p: cupy.ndarray,
+        seeds: cupy.ndarray,
+        offsets: cupy.ndarray,
+    ) -> cupy.ndarray:
+        b, v = self._logits_ok(logits)
+        if seeds.dtype.itemsize != 8:
+            raise ValueError(f"seeds must be 64-bit, got {seeds.dtype}")
+        out = self._out((b,), np.int32)
+        if b:
+            self._launch(
+                "sample_k",
+                (b,),
+                (1024,),
+                (logits, temperature, top_k, top_p, min_p, seeds, offsets, out, _i32(v)),
+            )
+        return out
+
+    def record_sampled(
+        self, last_tokens: cupy.ndarray, out_counts: cupy.ndarray, rows: cupy.ndarray, ids: cupy.ndarray
+    ) -> None:
+        n = rows.shape[0]
+        if n:
+            self._launch(
+                "record_sampled_k",
+                (-(-n // 256),),
+                (256,),
+                (
+                    last_tokens,
+                    out_counts,
+                    rows,
+                    ids,
+                    _i32(n),
+                    _i32(out_counts.shape[0]),
+                    _i32(out_counts.shape[1]),
+                ),
+            )
+
+    # ---- async plumbing ------------------------------------------------------------------------
+    def num_slots(self) -> int:
+        return _NUM_SLOTS
+
+    def _slot(self, i: int) -> _Slot:
+        if not 0 <= i < _NUM_SLOTS:
+            raise ValueError(f"slot {i} out of range 0..{_NUM_SLOTS - 1}")
+        return self._slots[i]
+
+    @contextlib.contextmanager
+    def slot(self, i: int) -> Iterator[None]:
+        s = self._slot(i)
+        s.arena.offset = 0
+        previous = self._arena()
+        self._tls.arena = s.arena
+        try:
+            with s.stream:
+                yield
+        finally:
+            self._tls.arena = previous
+
+    def arena_mark(self) -> int:
+        """Current offset of the active slot's arena (to keep outputs across arena_reset)."""
+        arena = self._arena()
+        if arena is None:
+            raise RuntimeError("arena_mark() needs an open slot context")
+        return arena.offset
+
+    def arena_reset(self, mark: int) -> None:
+        """Free everything the active slot's arena handed out after `mark`."""
+        arena = self._arena()
+        if arena is None:
+            raise RuntimeError("arena_reset() needs an open slot context")
+        if not 0 <= mark <= arena.offset:
+            raise ValueError(f"arena mark {mark} is not within 0..{arena.offset}")
+        arena.offset = mark
+
+    def after(self, i: int, j: int) -> None:
+        si, sj = self._slot(i), self._slot(j)
+        if i == j:
+            return
+        sj.fence_event.record(sj.stream)
+        si.stream.wait_event(sj.fence_event)
+
+    def record(self, i: int) -> None:
+        s = self._slot(i)
+        s.done_event.record(s.stream)
+
+    def done(self, i: int) -> bool:
+        return self._slot(i).done_event.done
+
+    def wait(self, i: int) -> None:
+        self._slot(i).done_event.synchronize()
+
+    def capture(self, i: int, fn: Callable[[], Any]) -> _Graph:
+        """fn() runs once under capture on slot i (arena reset, like slot(i)); nothing in it may
+        allocate from the pool or synchronize. Its outputs live in slot i's arena, rewritten in
+        place by every replay."""
+        s = self._slot(i)
+        with self.slot(i):
+            s.stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = s.stream.end_capture()
+        return _Graph(graph, s.stream)
+
+
+def attention_launch_shape(
+    num_sms: int, b: int, hk: int, rows: int, max_seq_len: int
+) -> tuple[int, int, int]:
+    """(rows per warp, row tiles, key splits) for a batch of b sequences of up to `rows` query rows
+    (tokens x GQA group) per kv head: split the keys only when the grid would not fill the chip
+    twice over, keeping at least 256 keys per split."""
+    r = 1 if rows <= 4 else 2 if rows <= 8 else 4
+    row_tiles = math.ceil(rows / (4 * r))
+    base = row_tiles * hk * b
+    splits = 1
+    if base < 2 * num_sms:
+        splits = max(1, min(math.ceil(2 * num_sms / base), math.ceil(max_seq_len / 256), 64))
+    return r, row_tiles, splits

@@ -1,0 +1,149 @@
+// Row and element kernels of the model: gather, norms, RoPE, KV write, SiLU-mul, bias, input fill.
+// Vectorised paths need rows of a multiple of 8 elements on 16-byte aligned pointers; the host
+// side checks that before launching.
+
+// out[r] = src[idx[r]] (embedding lookup and row gather); an index out of range gives zeros.
+extern "C" __global__ void gather_rows_k(const int* __restrict__ idx, const bf16_t* __restrict__ src,
+                                         bf16_t* __restrict__ out, int rows, int width, int nsrc) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const int s = idx[r];
+    const bool ok = s >= 0 && s < nsrc;
+    const uint4* sp = reinterpret_cast<const uint4*>(src + (size_t)(ok ? s : 0) * width);
+    uint4* dp = reinterpret_cast<uint4*>(out + (size_t)r * width);
+    for (int c = threadIdx.x; c < width / 8; c += blockDim.x) dp[c] = ok ? sp[c] : make_uint4(0, 0, 0, 0);
+}
+
+// r = x + residual (rounded to bf16, as stored); y = r * rsqrt(mean(r^2) + eps) * w.
+// One block per row. residual may be null: then r is x and r_out is not written.
+extern "C" __global__ void rms_norm_k(const bf16_t* __restrict__ x, const bf16_t* __restrict__ residual,
+                                      const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                      bf16_t* __restrict__ r_out, int width, float eps) {
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * width;
+    float ss = 0.f;
+    for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+        float f[8];
+        load8(x + base + c, f);
+        if (residual != nullptr) {
+            float g[8];
+            load8(residual + base + c, g);
+            for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(f[e] + g[e]));
+            store8(r_out + base + c, f);
+        }
+        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)width + eps);
+    const bf16_t* r = residual != nullptr ? r_out : x;
+    for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+        float f[8], g[8];
+        load8(r + base + c, f);
+        load8(w + c, g);
+        for (int e = 0; e < 8; ++e) f[e] = f[e] * inv * g[e];
+        store8(y + base + c, f);
+    }
+}
+
+// Per-head RMS norm: one warp per (token, head) row of length d; x rows are token-strided.
+extern "C" __global__ void head_rms_norm_k(const bf16_t* __restrict__ x, int x_stride,
+                                           const bf16_t* __restrict__ w, bf16_t* __restrict__ y,
+                                           int tokens, int heads, int d, float eps) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= tokens * heads) return;
+    const int t = row / heads, h = row % heads;
+    const bf16_t* xr = x + (size_t)t * x_stride + (size_t)h * d;
+    bf16_t* yr = y + (size_t)row * d;
+    float ss = 0.f;
+    for (int c = lane * 8; c < d; c += 256) {
+        float f[8];
+        load8(xr + c, f);
+        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)d + eps);
+    for (int c = lane * 8; c < d; c += 256) {
+        float f[8], g[8];
+        load8(xr + c, f);
+        load8(w + c, g);
+        for (int e = 0; e < 8; ++e) f[e] = f[e] * inv * g[e];
+        store8(yr + c, f);
+    }
+}
+
+// Neox RoPE in place on q and k (token-strided rows): pairs (i, i + d/2) rotate by
+// position * inv_freq[i]. One block per token; threads walk (head, i) of q then k.
+extern "C" __global__ void rope_k(bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride,
+                                  const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                                  int hq, int hk, int d) {
+    const int t = blockIdx.x;
+    const int half = d / 2;
+    const float pos = (float)positions[t];
+    const int total = (hq + hk) * half;
+    for (int j = threadIdx.x; j < total; j += blockDim.x) {
+        const int h = j / half, i = j % half;
+        bf16_t* row = h < hq ? q + (size_t)t * q_stride + (size_t)h * d
+                             : k + (size_t)t * k_stride + (size_t)(h - hq) * d;
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        const float x1 = bf2f(row[i]), x2 = bf2f(row[i + half]);
+        row[i] = f2bf(x1 * c - x2 * s);
+        row[i + half] = f2bf(x2 * c + x1 * s);
+    }
+}
+
+// k, v rows (token-strided, hk * d each) into caches [slots, hk, d] at slot_mapping[t]; < 0 or
+// beyond the cache is skipped.
+extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride, const bf16_t* __restrict__ v,
+                                      int v_stride, bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                      const int* __restrict__ slot_mapping, int row_elems, long long num_slots) {
+    const int t = blockIdx.x;
+    const long long slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const uint4* ks = reinterpret_cast<const uint4*>(k + (size_t)t * k_stride);
+    const uint4* vs = reinterpret_cast<const uint4*>(v + (size_t)t * v_stride);
+    uint4* kd = reinterpret_cast<uint4*>(k_cache + (size_t)slot * row_elems);
+    uint4* vd = reinterpret_cast<uint4*>(v_cache + (size_t)slot * row_elems);
+    for (int c = threadIdx.x; c < row_elems / 8; c += blockDim.x) {
+        kd[c] = ks[c];
+        vd[c] = vs[c];
+    }
+}
+
+// out[t, :] = silu(x[t, :inter]) * x[t, inter:]; one thread per 8 outputs.
+extern "C" __global__ void silu_mul_k(const bf16_t* __restrict__ x, bf16_t* __restrict__ out,
+                                      int tokens, int inter) {
+    const long long chunk = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = inter / 8;
+    if (chunk >= (long long)tokens * per_row) return;
+    const int t = (int)(chunk / per_row), c = (int)(chunk % per_row) * 8;
+    float g[8], u[8];
+    load8(x + (size_t)t * 2 * inter + c, g);
+    load8(x + (size_t)t * 2 * inter + inter + c, u);
+    for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.f + expf(-g[e])) * u[e];
+    store8(out + (size_t)t * inter + c, g);
+}
+
+// y[t, :] += bias (in place on the GEMM output).
+extern "C" __global__ void bias_add_k(bf16_t* __restrict__ y, const bf16_t* __restrict__ bias,
+                                      int rows, int n) {
+    const long long chunk = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = n / 8;
+    if (chunk >= (long long)rows * per_row) return;
+    const int t = (int)(chunk / per_row), c = (int)(chunk % per_row) * 8;
+    float a[8], b[8];
+    load8(y + (size_t)t * n + c, a);
+    load8(bias + c, b);
+    for (int e = 0; e < 8; ++e) a[e] += b[e];
+    store8(y + (size_t)t * n + c, a);
+}
+
+// input_ids[t] = last_tokens[src_rows[t]] where src_rows[t] >= 0.
+extern "C" __global__ void fill_from_last_k(int* __restrict__ input_ids, const int* __restrict__ src_rows,
+                                            const int* __restrict__ last_tokens, int n, int num_last) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const int r = src_rows[t];
+    if (r >= 0 && r < num_last) input_ids[t] = last_tokens[r];
+}

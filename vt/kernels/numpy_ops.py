@@ -1,0 +1,201 @@
+"""The float32 numpy backend: the CPU runtime and the reference every CUDA op is checked against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+_DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
+_NUM_SLOTS = 2
+
+
+def _np_dtype(dtype: str) -> type:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown backend dtype {dtype!r}; expected one of {tuple(_DTYPES)}") from None
+
+
+class _Replay:
+    """What capture() returns on numpy: replaying simply re-runs the function."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+
+    def replay(self) -> Any:
+        return self._fn()
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    # ---- memory -------------------------------------------------------------------------
+    def upload(self, host: np.ndarray) -> np.ndarray:
+        # A real copy: checkpoint arrays are read-only memory maps of the file.
+        return np.array(host, dtype=np.float32, copy=True, order="C")
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.zeros(shape, dtype=_np_dtype(dtype))
+
+    def from_host(self, host: np.ndarray, dtype: str) -> np.ndarray:
+        return np.array(host, dtype=_np_dtype(dtype), copy=True, order="C")
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def copy_h2d(self, dst: np.ndarray, src: np.ndarray) -> None:
+        n = min(len(dst), len(src))
+        dst[:n] = src[:n]
+
+    def copy_d2h(self, dst: np.ndarray, src: np.ndarray) -> None:
+        n = min(len(dst), len(src))
+        dst[:n] = src[:n]
+
+    # ---- model ops ----------------------------------------------------------------------
+    def embed(self, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+        return table[ids]
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
+                 residual: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        r = x if residual is None else x + residual
+        var = np.mean(np.square(r, dtype=np.float32), axis=-1, keepdims=True)
+        return (r / np.sqrt(var + np.float32(eps))) * weight, r
+
+    def head_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+        return (x / np.sqrt(var + np.float32(eps))) * weight
+
+    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        y = x @ w.T
+        return y if bias is None else y + bias
+
+    def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> None:
+        angle = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+        cos = np.cos(angle)[:, None, :]
+        sin = np.sin(angle)[:, None, :]
+        for x in (q, k):
+            half = x.shape[-1] // 2
+            x1 = x[..., :half].copy()
+            x2 = x[..., half:].copy()
+            x[..., :half] = x1 * cos - x2 * sin
+            x[..., half:] = x2 * cos + x1 * sin
+
+    def write_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
+        nb, bs, hk, d = k_cache.shape
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        if slots.size and int(slots.max()) >= nb * bs:
+            raise IndexError(f"slot {int(slots.max())} is outside the KV cache ({nb} blocks of {bs})")
+        k_cache.reshape(nb * bs, hk, d)[slots] = k[keep]
+        v_cache.reshape(nb * bs, hk, d)[slots] = v[keep]
+
+    def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                  query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                  scale: float, max_query_len: int, max_seq_len: int) -> np.ndarray:
+        t, hq, d = q.shape
+        _, bs, hk, _ = k_cache.shape
+        group = hq // hk
+        out = np.zeros((t, hq, d), dtype=np.float32)
+        for b in range(len(seq_lens)):
+            start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+            length, ctx = end - start, int(seq_lens[b])
+            if length == 0:
+                continue
+            if ctx < length:
+                raise ValueError(f"sequence {b}: seq_len {ctx} is shorter than its {length} query rows")
+            blocks = block_tables[b, : -(-ctx // bs)]
+            keys = k_cache[blocks].reshape(-1, hk, d)[:ctx]
+            vals = v_cache[blocks].reshape(-1, hk, d)[:ctx]
+            qb = q[start:end].reshape(length, hk, group, d)
+            scores = np.einsum("lkgd,skd->kgls", qb, keys) * np.float32(scale)
+            # Row j sits at position ctx - length + j and sees keys 0..itself.
+            row_pos = np.arange(ctx - length, ctx)[:, None]
+            scores = np.where(np.arange(ctx)[None, :] <= row_pos, scores, -np.inf)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[start:end] = np.einsum("kgls,skd->lkgd", p, vals).reshape(length, hq, d)
+        return out
+
+    def silu_mul(self, x: np.ndarray) -> np.ndarray:
+        half = x.shape[-1] // 2
+        gate, up = x[:, :half], x[:, half:]
+        return gate / (np.float32(1) + np.exp(-gate)) * up
+
+    def gather_rows(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return x[idx]
+
+    def logits(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return (x @ w.T).astype(np.float32, copy=False)
+
+    # ---- step plumbing --------------------------------------------------------------------
+    def fill_from_last(self, input_ids: np.ndarray, src_rows: np.ndarray, last_tokens: np.ndarray) -> None:
+        take = src_rows >= 0
+        input_ids[take] = last_tokens[src_rows[take]]
+
+    # ---- sampling (vt.kernels.numpy_sampling holds the implementations) --------------------
+    def log_softmax_topk(self, logits: np.ndarray, ids: np.ndarray, k: int) -> tuple[Any, Any, Any]:
+        from vt.kernels import numpy_sampling
+
+        return numpy_sampling.log_softmax_topk(logits, ids, k)
+
+    def penalize(self, logits: np.ndarray, rows: np.ndarray, out_counts: np.ndarray,
+                 prompt_mask: np.ndarray, presence: np.ndarray, frequency: np.ndarray,
+                 repetition: np.ndarray) -> None:
+        from vt.kernels import numpy_sampling
+
+        numpy_sampling.penalize(logits, rows, out_counts, prompt_mask, presence, frequency, repetition)
+
+    def ban_tokens(self, logits: np.ndarray, ban: np.ndarray) -> None:
+        from vt.kernels import numpy_sampling
+
+        numpy_sampling.ban_tokens(logits, ban)
+
+    def sample(self, logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        from vt.kernels import numpy_sampling
+
+        return numpy_sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+    def record_sampled(self, last_tokens: np.ndarray, out_counts: np.ndarray, rows: np.ndarray,
+                       ids: np.ndarray) -> None:
+        from vt.kernels import numpy_sampling
+
+        numpy_sampling.record_sampled(last_tokens, out_counts, rows, ids)
+
+    # ---- async plumbing: numpy runs ops eagerly, so streams and events are trivial ----------
+    def num_slots(self) -> int:
+        return _NUM_SLOTS
+
+    def _check_slot(self, i: int) -> None:
+        if not 0 <= i < _NUM_SLOTS:
+            raise ValueError(f"slot {i} out of range 0..{_NUM_SLOTS - 1}")
+
+    def slot(self, i: int) -> Any:
+        self._check_slot(i)
+        return nullcontext()
+
+    def after(self, i: int, j: int) -> None:
+        self._check_slot(i)
+        self._check_slot(j)
+
+    def record(self, i: int) -> None:
+        self._check_slot(i)
+
+    def done(self, i: int) -> bool:
+        self._check_slot(i)
+        return True
+
+    def wait(self, i: int) -> None:
+        self._check_slot(i)
+
+    def capture(self, i: int, fn: Callable[[], Any]) -> _Replay:
+        self._check_slot(i)
+        return _Replay(fn)

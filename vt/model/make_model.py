@@ -1,0 +1,322 @@
+"""`vt make-model`: write a random-weight HF-format checkpoint with a tokenizer trained on the spot.
+
+Weights are bf16 drawn from per-chunk seeded generators (seed, tensor index, chunk index), so the
+result is deterministic for a seed whatever the thread count, and big presets generate in parallel.
+
+Standard deviations: matrices 0.02 and embeddings 0.02 for the real-size presets. For `tiny` the
+matrices use 0.125 and the embedding 0.25: with hidden 64, the 0.02 init gives near-uniform logits
+(greedy decoding then hinges on rounding ties) and layers that barely change the residual stream;
+these values give logits a spread of a few units that depends on the context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHUNK_ELEMS = 1 << 23          # elements drawn per generator; bounds memory per worker
+DEFAULT_SHARD_BYTES = 2 << 30  # shards at most about this size (a tensor is never split)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('unknown role: ' ~ message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] is not none -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int | None          # None: the tokenizer's size rounded up to a multiple of 64
+    max_pos: int
+    tied: bool
+    rope_theta: float
+    matrix_std: float
+    embed_std: float
+    tokenizer_vocab: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 128, 2, 4, 2, 16, None, 2048, True, 1e6, 0.125, 0.25, 1000),
+    "0.6b": Preset(1024, 3072, 28, 16, 8, 128, 151936, 40960, True, 1e6, 0.02, 0.02, 1000),
+    "8b": Preset(4096, 12288, 36, 32, 8, 128, 151936, 40960, False, 1e6, 0.02, 0.02, 1000),
+}
+ARCHS = ("qwen3", "llama")
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+_EN = (
+    "the quick brown fox jumps over lazy dog hello world model token stream server request "
+    "response batch cache block attention layer weight value key query prompt output input "
+    "a an and or not is are was were be been have has had do does did will would can could "
+    "should may might must shall of in on at by for with about against between into through "
+    "during before after above below to from up down out off again further then once here there "
+    "when where why how all any both each few more most other some such no nor only own same so "
+    "than too very just now time year people way day man woman child thing world life hand part "
+    "place case week company system program question work government number night point home "
+    "water room mother area money story fact month lot right study book eye job word business "
+    "issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others "
+    "level office door health person art war history party result change morning reason research "
+    "girl guy moment air teacher force education"
+).split()
+_ACCENTED = (
+    "café naïve über señor français garçon déjà vu résumé piñata crème brûlée façade jalapeño "
+    "smörgåsbord Zürich São Paulo München Ærø fjörður Łódź Kraków İstanbul straße"
+).split()
+_CJK = (
+    "你好 世界 中文 模型 服务器 请求 日本語 東京 こんにちは ありがとう カタカナ 한국어 안녕하세요 "
+    "감사합니다 北京 上海 漢字 学习 机器 人工智能"
+).split()
+_EMOJI = "😀 🚀 🎉 👍 🔥 ❤️ 🌍 🤖 🍕 ✨ 🐍 🧠 👩‍💻 🇯🇵".split()
+_PUNCT = (".", ",", "!", "?", ";", ":", " -", " (ok)", " \"quoted\"", " 42", " 3.14", " 2024")
+
+
+def training_corpus(lines: int = 3000) -> list[str]:
+    """A fixed multilingual corpus: English with accented, CJK and emoji words mixed in."""
+    rng = np.random.default_rng(1234)
+    pools = (_EN, _ACCENTED, _CJK, _EMOJI)
+    weights = np.array([0.7, 0.12, 0.12, 0.06])
+    out = []
+    for _ in range(lines):
+        n = int(rng.integers(4, 16))
+        kinds = rng.choice(4, size=n, p=weights)
+        words = [pools[k][int(rng.integers(len(pools[k])))] for k in kinds]
+        if rng.random() < 0.5:
+            words[0] = words[0].capitalize()
+        out.append(" ".join(words) + _PUNCT[int(rng.integers(len(_PUNCT)))])
+    return out
+
+
+def train_tokenizer(vocab_size: int = 1000):
+    """A byte-level BPE with the ChatML special tokens at ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    return tok
+
+
+# ---- config -------------------------------------------------------------------------------
+
+def hf_config(arch: str, p: Preset, vocab: int, bos_id: int, eos_id: int) -> dict:
+    common = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": p.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": p.intermediate,
+        "max_position_embeddings": p.max_pos,
+        "num_attention_heads": p.heads,
+        "num_hidden_layers": p.layers,
+        "num_key_value_heads": p.kv_heads,
+        "rope_scaling": None,
+        "tie_word_embeddings": p.tied,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": vocab,
+    }
+    if arch == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common,
+                "max_window_layers": p.layers, "rms_norm_eps": 1e-6, "rope_theta": p.rope_theta,
+                "sliding_window": None, "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_theta": p.rope_theta}
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    std: float | None  # None: ones (norm weights)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * int(np.prod(self.shape))
+
+
+def tensor_specs(arch: str, p: Preset, vocab: int) -> list[TensorSpec]:
+    h, d, ms = p.hidden, p.head_dim, p.matrix_std
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), p.embed_std)]
+    for i in range(p.layers):
+        pre = f"model.layers.{i}."
+        specs += [
+            TensorSpec(pre + "input_layernorm.weight", (h,), None),
+            TensorSpec(pre + "self_attn.q_proj.weight", (p.heads * d, h), ms),
+            TensorSpec(pre + "self_attn.k_proj.weight", (p.kv_heads * d, h), ms),
+            TensorSpec(pre + "self_attn.v_proj.weight", (p.kv_heads * d, h), ms),
+            TensorSpec(pre + "self_attn.o_proj.weight", (h, p.heads * d), ms),
+        ]
+        if arch == "qwen3":
+            specs += [TensorSpec(pre + "self_attn.q_norm.weight", (d,), None),
+                      TensorSpec(pre + "self_attn.k_norm.weight", (d,), None)]
+        specs += [
+            TensorSpec(pre + "post_attention_layernorm.weight", (h,), None),
+            TensorSpec(pre + "mlp.gate_proj.weight", (p.intermediate, h), ms),
+            TensorSpec(pre + "mlp.up_proj.weight", (p.intermediate, h), ms),
+            TensorSpec(pre + "mlp.down_proj.weight", (h, p.intermediate), ms),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (h,), None))
+    if not p.tied:
+        specs.append(TensorSpec("lm_head.weight", (vocab, h), p.embed_std))
+    return specs
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, round to nearest even (plain integer ops: fast and GIL-free)."""
+    bits = x.view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def _fill_chunk(out_bits: np.ndarray, seed: int, index: int, chunk: int, start: int, std: float) -> None:
+    rng = np.random.default_rng([seed, index, chunk])
+    part = out_bits[start:start + CHUNK_ELEMS]
+    x = rng.standard_normal(part.shape[0], dtype=np.float32)
+    x *= np.float32(std)
+    part[:] = _to_bf16_bits(x)
+
+
+def _generate_shard(specs: list[tuple[int, TensorSpec]], seed: int, pool: ThreadPoolExecutor) -> dict:
+    tensors, futures = {}, []
+    for index, spec in specs:
+        n = int(np.prod(spec.shape))
+        if spec.std is None:
+            bits = np.full(n, 0x3F80, dtype=np.uint16)  # bf16 1.0
+        else:
+            bits = np.empty(n, dtype=np.uint16)
+            for c, start in enumerate(range(0, n, CHUNK_ELEMS)):
+                futures.append(pool.submit(_fill_chunk, bits, seed, index, c, start, spec.std))
+        tensors[spec.name] = bits.view(ml_dtypes.bfloat16).reshape(spec.shape)
+    for f in futures:
+        f.result()
+    return tensors
+
+
+def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_bytes: int) -> None:
+    shards: list[list[tuple[int, TensorSpec]]] = [[]]
+    size = 0
+    for i, spec in enumerate(specs):
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((i, spec))
+        size += spec.nbytes
+    meta = {"format": "pt"}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        if len(shards) == 1:
+            save_file(_generate_shard(shards[0], seed, pool), str(out / "model.safetensors"), metadata=meta)
+            return
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(_generate_shard(shard, seed, pool), str(out / fname), metadata=meta)
+            weight_map.update({spec.name: fname for _, spec in shard})
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ---- entry points -------------------------------------------------------------------------
+
+def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a random checkpoint (config, safetensors, tokenizer, generation config) to out_dir."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer(p.tokenizer_vocab)
+    tok.save(str(out / "tokenizer.json"))
+    vocab = p.vocab if p.vocab is not None else -(-tok.get_vocab_size() // 64) * 64
+    if vocab < tok.get_vocab_size():
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer ({tok.get_vocab_size()})")
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+
+    (out / "config.json").write_text(json.dumps(hf_config(arch, p, vocab, eot, im_end), indent=2))
+    gen = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": p.max_pos,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    _write_weights(out, tensor_specs(arch, p, vocab), seed, max_shard_bytes)
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VT_CACHE_DIR") or Path.home() / ".cache" / "vt")
+
+
+def default_model_dir() -> Path:
+    """The demo tiny model in the cache folder, made once (atomically: temp dir, then rename)."""
+    target = cache_dir() / "demo-tiny"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-tiny-", dir=target.parent))
+    try:
+        # config.json is written before the weights; rename only after everything is on disk
+        make_model(tmp, arch="qwen3", preset="tiny", seed=0)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent maker that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,123 @@
+"""The decoder forward, written once over backend ops so it runs on numpy and CUDA alike.
+
+Qwen3 adds per-head q/k RMS norm; Qwen2 (and Llama with attention_bias) adds q/k/v biases.
+Only backend ops, .reshape and slicing touch arrays here: no host syncs inside forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vt.config import ModelConfig
+from vt.kernels.base import Array, Backend
+from vt.model.batch import ForwardBatch
+
+
+@dataclass
+class _Layer:
+    input_norm: Array
+    qkv: Array          # [(Hq + 2 Hk) D, H]: q, k, v projections stacked along the output dim
+    qkv_bias: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+    o_proj: Array
+    post_norm: Array
+    gate_up: Array      # [2 I, H]: gate then up
+    down: Array
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend) -> None:
+        self.cfg = cfg
+        self.ops = ops
+        self.q_dim = cfg.num_heads * cfg.head_dim
+        self.kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+        def w(name: str) -> np.ndarray:
+            if name not in weights:
+                raise KeyError(f"weights are missing tensor {name!r}")
+            return weights[name]
+
+        # Upload tensor by tensor (and merge per layer) so at most one layer's merged copy
+        # lives on the host at a time.
+        self.embed = ops.upload(w("model.embed_tokens.weight"))
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = ops.upload(np.concatenate([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
+                                             w(a + "v_proj.weight")], axis=0))
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = ops.upload(np.concatenate([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
+                                                      w(a + "v_proj.bias")], axis=0))
+            gate_up = ops.upload(np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")],
+                                                axis=0))
+            self.layers.append(_Layer(
+                input_norm=ops.upload(w(p + "input_layernorm.weight")),
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                q_norm=ops.upload(w(a + "q_norm.weight")) if cfg.qk_norm else None,
+                k_norm=ops.upload(w(a + "k_norm.weight")) if cfg.qk_norm else None,
+                o_proj=ops.upload(w(a + "o_proj.weight")),
+                post_norm=ops.upload(w(p + "post_attention_layernorm.weight")),
+                gate_up=gate_up,
+                down=ops.upload(w(p + "mlp.down_proj.weight")),
+            ))
+        self.final_norm = ops.upload(w("model.norm.weight"))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else ops.upload(w("lm_head.weight"))
+        self.inv_freq = ops.from_host(cfg.inv_freq(), "f32")
+
+    # ---- KV cache --------------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[Array, Array]]:
+        """One (k_cache, v_cache) pair per layer, each act[num_blocks, block_size, Hk, D]."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        zeros = self.ops.zeros
+        return [(zeros(shape, "act"), zeros(shape, "act")) for _ in range(self.cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+        """Bytes one KV block takes across all layers (K and V)."""
+        return block_size * cfg.kv_bytes_per_token(dtype_bytes)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv: list[tuple[Array, Array]]) -> Any:
+        """Logits f32[B, V] for the rows batch.logits_indices of this ragged step."""
+        cfg, ops = self.cfg, self.ops
+        if len(kv) != cfg.num_layers:
+            raise ValueError(f"kv has {len(kv)} layers, the model has {cfg.num_layers}")
+        t = batch.input_ids.shape[0]
+        hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
+        eps = cfg.rms_norm_eps
+
+        x = ops.embed(batch.input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_end].reshape(t, hq, d)
+            k = qkv[:, q_end:k_end].reshape(t, hk, d)
+            v = qkv[:, k_end:].reshape(t, hk, d)
+            if cfg.qk_norm:
+                q = ops.head_rms_norm(q, layer.q_norm, eps)
+                k = ops.head_rms_norm(k, layer.k_norm, eps)
+            ops.rope(q, k, batch.positions, self.inv_freq)
+            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = ops.attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                              batch.block_tables, self.scale, batch.max_query_len, batch.max_seq_len)
+            x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)
+            h, residual = ops.rms_norm(x, layer.post_norm, eps, residual)
+            x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, None)), layer.down, None)
+        # The final norm is per row, so gather the sampled rows first and normalize only those.
+        x_last = ops.gather_rows(x, batch.logits_indices)
+        r_last = ops.gather_rows(residual, batch.logits_indices)
+        h, _ = ops.rms_norm(x_last, self.final_norm, eps, r_last)
+        return ops.logits(h, self.lm_head)

@@ -1,0 +1,167 @@
+"""SamplingParams: the per-request sampling settings, validated once and immutable afterwards."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy, on every backend
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter; `.param` names the field (the HTTP layer reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass, but `"max_tokens": true` is a client bug, not 1
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_int(name: str, v: Any) -> int:
+    if not _is_int(v):
+        raise SamplingParamsError(name, f"{name} must be an integer, got {v!r}")
+    return v
+
+
+def _check_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SamplingParamsError(name, f"{name} must be a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise SamplingParamsError(name, f"{name} must be finite, got {v!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None         # top logprobs per token, 0..20
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+
+        n = _check_int("n", self.n)
+        if not 1 <= n <= MAX_N:
+            raise SamplingParamsError("n", f"n must be in [1, {MAX_N}], got {n}")
+
+        if self.max_tokens is not None:
+            mt = _check_int("max_tokens", self.max_tokens)
+            if mt < 1:
+                raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {mt}")
+
+        t = _check_float("temperature", self.temperature)
+        if t < 0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {t}")
+        set_("temperature", t)
+
+        p = _check_float("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {p}")
+        set_("top_p", p)
+
+        k = _check_int("top_k", self.top_k)
+        if k < -1:
+            raise SamplingParamsError("top_k", f"top_k must be -1, 0 (off) or >= 1, got {k}")
+
+        mp = _check_float("min_p", self.min_p)
+        if not 0 <= mp <= 1:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {mp}")
+        set_("min_p", mp)
+
+        if self.seed is not None:
+            s = _check_int("seed", self.seed)
+            if not 0 <= s < 2**64:
+                raise SamplingParamsError("seed", f"seed must be in [0, 2**64), got {s}")
+
+        set_("stop", self._normalize_stop(self.stop))
+        set_("stop_token_ids", self._normalize_stop_ids(self.stop_token_ids))
+
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+        mn = _check_int("min_tokens", self.min_tokens)
+        if mn < 0:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be >= 0, got {mn}")
+        if self.max_tokens is not None and mn > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens ({mn}) must not exceed max_tokens ({self.max_tokens})")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _check_float(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {v}")
+            set_(name, v)
+
+        rp = _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0 < rp <= 2:
+            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be in (0, 2], got {rp}")
+        set_("repetition_penalty", rp)
+
+        if self.logprobs is not None:
+            lp = _check_int("logprobs", self.logprobs)
+            if not 0 <= lp <= MAX_LOGPROBS:
+                raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}")
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise SamplingParamsError("stop", f"stop strings must be strings, got {s!r}")
+            if not s:
+                raise SamplingParamsError("stop", "stop strings must not be empty")
+        return tuple(stop)
+
+    @staticmethod
+    def _normalize_stop_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)):
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
+        for i in ids:
+            if not _is_int(i) or i < 0:
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids must be integers >= 0, got {i!r}")
+        return tuple(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k >= 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

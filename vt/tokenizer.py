@@ -1,0 +1,277 @@
+"""Tokenizer (HF tokenizer.json + chat template in a jinja2 sandbox) and the incremental detokenizer.
+
+Chat prompts: the rendered template already holds any BOS it wants, so encode it with
+`add_special_tokens=False`, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 6  # prompt tail the detokenizer decodes with, for context-dependent decoders
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, does not compile, or failed while rendering."""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(tok: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or as a serialized AddedToken dict."""
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict) and isinstance(tok.get("content"), str):
+        return tok["content"]
+    return None
+
+
+def _id_list(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _pick_template(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # [{name, template}, ...]: the "default" one
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+class Tokenizer:
+    """Encode / decode / chat template over a Hugging Face `tokenizers` tokenizer."""
+
+    def __init__(self, tok: Any, *, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, pad_token: str | None = None, add_bos_token: bool = False,
+                 extra_eos_ids: Iterable[int] = ()) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.add_bos_token = add_bos_token
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
+        eos = set(extra_eos_ids)
+        if self.eos_token_id is not None:
+            eos.add(self.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self._compiled: Any = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {d}")
+        tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(d / "tokenizer_config.json")
+        template = _pick_template(cfg.get("chat_template"))
+        jinja_file = d / "chat_template.jinja"
+        if jinja_file.exists():
+            template = jinja_file.read_text(encoding="utf-8")
+        eos_ids = _id_list(_read_json(d / "generation_config.json").get("eos_token_id"))
+        eos_ids += _id_list(_read_json(d / "config.json").get("eos_token_id"))
+        return cls(tok, chat_template=template, bos_token=_token_content(cfg.get("bos_token")),
+                   eos_token=_token_content(cfg.get("eos_token")),
+                   pad_token=_token_content(cfg.get("pad_token")),
+                   add_bos_token=bool(cfg.get("add_bos_token", False)), extra_eos_ids=eos_ids)
+
+    # ---- ids <-> text --------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # tokenizer.json's post-processor may already add BOS; add it only where it did not
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # ---- chat template -------------------------------------------------------------------
+    def _template(self) -> Any:
+        if self._compiled is not None:
+            return self._compiled
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template (tokenizer_config.json chat_template or "
+                "chat_template.jinja); use the completions endpoint or provide a template")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(f"chat template error: {message}")
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        try:
+            self._compiled = env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+        return self._compiled
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ChatTemplateError("messages must be a list of objects")
+        template = self._template()
+        import jinja2
+
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                     "pad_token": self.pad_token or "", **kwargs,
+                     "messages": messages, "add_generation_prompt": add_generation_prompt}
+        try:
+            return template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
+            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+
+class DetokStream:
+    """Incremental detokenizer for one sequence, with stop strings.
+
+    Keeps a small decode window (prefix/read offsets): each push decodes only the tokens since
+    the last emitted text plus a few before it, so a token costs O(1) whatever the output length.
+    Text is held back while the window ends in an incomplete UTF-8 sequence (decodes to U+FFFD),
+    and, with stop strings, the last len(longest stop) - 1 characters are held back so a stop
+    string arriving across tokens is never partly streamed.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._stops = tuple(stop)
+        self._include = include_stop_str_in_output
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix = 0                    # window start (context tokens, already emitted)
+        self._read = len(self._ids)         # tokens before this are decoded and accounted for
+        self._pending = ""                  # decoded text held back for stop matching
+        self._parts: list[str] = []
+        self.stop_str: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_str is not None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _decode_new(self) -> str:
+        """Text the tokens since read_offset add, or "" while it ends in an incomplete character."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full = self._decode(self._ids[self._prefix:])
+        if len(full) <= len(prefix_text) or full.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        self._trim()
+        return full[len(prefix_text):]
+
+    def _trim(self) -> None:
+        # drop tokens before the window so memory stays bounded on long generations
+        if self._prefix > 64:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+    def _emit(self, s: str) -> str:
+        if s:
+            self._parts.append(s)
+        return s
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Earliest-ending stop string in pending text (ties: the longer one), as a character
+        stream would meet it, so the result does not depend on how text splits into tokens."""
+        best: tuple[int, int, str] | None = None
+        for s in self._stops:
+            i = self._pending.find(s)
+            if i < 0:
+                continue
+            key = (i + len(s), -len(s), s)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        if best is None:
+            return None
+        end, neg_len, s = best
+        return end + neg_len, s
+
+    def push(self, token_id: int) -> str:
+        """Add one sampled token; returns the text safe to stream now ("" after a stop)."""
+        if self.stop_str is not None:
+            return ""
+        self._ids.append(int(token_id))
+        new = self._decode_new()
+        if not new:
+            return ""
+        self._pending += new
+        if self._stops:
+            found = self._find_stop()
+            if found is not None:
+                start, s = found
+                self.stop_str = s
+                cut = start + len(s) if self._include else start
+                out, self._pending = self._pending[:cut], ""
+                return self._emit(out)
+        n = len(self._pending) - self._hold
+        if n <= 0:
+            return ""
+        out, self._pending = self._pending[:n], self._pending[n:]
+        return self._emit(out)
+
+    def flush(self) -> str:
+        """Everything held back (at a finish other than a stop string); "" after a stop."""
+        if self.stop_str is not None:
+            return ""
+        tail = self._decode(self._ids[self._prefix:])[len(self._decode(self._ids[self._prefix:self._read])):]
+        self._prefix = self._read = len(self._ids)
+        out, self._pending = self._pending + tail, ""
+        return self._emit(out)
