@@ -28,6 +28,7 @@ PRESETS = {
                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 BANDWIDTH = 4.25e12
+STEPS_MAX = 200
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
@@ -72,17 +73,21 @@ def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, 
     write_config(folder, preset)
     mc = ModelConfig.from_dir(folder)
     weights = RandomWeights(dict(expected_shapes(mc)))
-    blocks = max_seqs * (-(-(context + 8) // 16)) + 16
+    blocks = max_seqs * blocks_per_seq(context) + 16
     ec = EngineConfig(model=str(folder), device=device, max_num_seqs=max_seqs,
                       max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
-                      enforce_eager=enforce_eager, max_model_len=context + 64)
+                      enforce_eager=enforce_eager, max_model_len=16 * blocks_per_seq(context))
     original = runner_mod.load_weights
     runner_mod.load_weights = lambda *_: weights
     try:
-        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), context + 64)
+        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), 16 * blocks_per_seq(context))
     finally:
         runner_mod.load_weights = original
     return runner, mc
+
+
+def blocks_per_seq(context: int, steps: int = STEPS_MAX) -> int:
+    return -(-(context + steps + 2) // 16)
 
 
 def decode_batches(batch: int, context: int, steps: int):
@@ -90,7 +95,9 @@ def decode_batches(batch: int, context: int, steps: int):
     from vt.sampling import SamplingParams
     from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
-    nb = -(-(context + steps + 2) // 16)
+    nb = blocks_per_seq(context)
+    if steps > STEPS_MAX:
+        raise ValueError(f"at most {STEPS_MAX} steps")
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0)
     tables = [tuple(range(b * nb, (b + 1) * nb)) for b in range(batch)]
     first = ScheduledBatch(tuple(

@@ -144,6 +144,7 @@ class ModelRunner:
         self.inv_freq = ops.from_host(model_cfg.inv_freq(), "f32")
         self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks)
                       for _ in range(ops.num_slots())]
+        ops.ensure_workspace(self._workspace_bytes())
         self.rows: dict[str, _Row] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         self.step_id = 0
@@ -171,10 +172,23 @@ class ModelRunner:
             # CPU: enough for every sequence at full length, capped at 1 GiB.
             need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4)
             budget = min(need, 1024**3)
-        blocks = budget // per_block
+        # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
+        # nothing but a longer free list.
+        useful = 2 * cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        blocks = min(budget // per_block, useful)
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache ({budget} bytes, {per_block} per block)")
         return int(blocks)
+
+    def _workspace_bytes(self) -> int:
+        """One step's arena: one layer's activations (the forward rewinds per layer), the logits
+        and sampler temporaries, and slack for attention's split-key partials."""
+        mc = self.model_cfg
+        q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, \
+            mc.intermediate_size
+        per_token = 2 * ((q + 2 * kv) + q + kv + q + 7 * h + 3 * i)
+        logits = 4 * self.max_seqs * mc.vocab_size * 4
+        return self.max_tokens * per_token + logits + (256 << 20)
 
     # ---- rows ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
@@ -241,7 +255,7 @@ class ModelRunner:
             else:
                 row = self.rows[s.request_id]
             n = s.num_tokens
-            if n != 1 or not s.from_last:
+            if n != 1:  # one-token decodes graph whether their input is known or from_last
                 decode_only = False
             if s.from_last:
                 ids_h[t] = 0

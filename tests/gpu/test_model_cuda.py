@@ -1,9 +1,13 @@
 """The whole model on the GPU against transformers, and sync == async on the GPU.
 
 The checkpoint is a random Qwen3-0.6B-shaped model made by transformers itself (bf16). Greedy
-comparisons use only prompts whose reference trajectory never has a top-2 logit margin below
-MARGIN (computed in fp32 by transformers): below that a bf16 rounding difference may legally
-flip the argmax, so such prompts prove nothing about correctness.
+comparisons use only prompts whose reference trajectory (transformers, bf16) agrees with the fp32
+argmax at every step and never has a top-2 fp32 logit margin below MARGIN times the logits' std:
+vt's bf16 logits differ from fp32 by about 4% of their norm, so a smaller margin is a bf16 tie
+that either engine may legally break the other way, and such prompts prove nothing.
+Batch shapes differ between sync and async runs (a finished request rides one extra step), and
+bf16 GEMMs of different shapes round differently, so sync == async is checked on the same
+tie-free prompts; the CPU suite checks it bit for bit, seeded sampling included.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 64
-MARGIN = 0.25
+MARGIN = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = transformers.Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.05,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -50,7 +54,7 @@ def reference(checkpoint: Path) -> dict:
     import transformers
 
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 150000, size=n).tolist() for n in (7, 19, 40, 77, 120, 9)]
+    prompts = [rng.integers(3, 150000, size=n).tolist() for n in (7, 19, 40, 77, 120, 9, 3, 5, 11, 4, 6, 8)]
     m16 = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
     m32 = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
     out: dict = {"prompts": prompts, "bf16": [], "margin_ok": [], "logits16": None}
@@ -63,9 +67,10 @@ def reference(checkpoint: Path) -> dict:
             logits = m32(full).logits[0, len(p) - 1: len(p) - 1 + NEW_TOKENS].float()
             top2 = logits.topk(2, dim=-1).values
             margins = (top2[:, 0] - top2[:, 1]).min().item()
+            spread = logits.std(dim=-1).mean().item()
             same = logits.argmax(-1).tolist() == cont
             out["bf16"].append(cont)
-            out["margin_ok"].append(bool(same and margins >= MARGIN))
+            out["margin_ok"].append(bool(same and margins >= MARGIN * spread))
         out["logits16"] = m16(torch.tensor([prompts[2]], device="cuda")).logits[0, -1].float().cpu().numpy()
         out["logits32"] = m32(torch.tensor([prompts[2]], device="cuda")).logits[0, -1].float().cpu().numpy()
     del m16, m32
@@ -92,12 +97,15 @@ def _vt_last_logits(checkpoint: Path, prompt: list[int]) -> np.ndarray:
 
 
 def test_logits_match_transformers_within_bf16(checkpoint: Path, reference: dict) -> None:
+    """Within bf16 tolerance means: no further from transformers' fp32 logits than transformers'
+    own bf16 run is (28 bf16 layers drift a few percent), and close to that bf16 run."""
     got = _vt_last_logits(checkpoint, reference["prompts"][2])
-    for key in ("logits32", "logits16"):
-        ref = reference[key]
-        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        assert np.isfinite(got).all()
-        assert rel < 3e-2, f"relative error vs transformers {key}: {rel:.4f}"
+    ref32, ref16 = reference["logits32"], reference["logits16"]
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    assert np.isfinite(got).all()
+    hf_err = rel(ref16, ref32)
+    assert rel(got, ref32) < 1.5 * hf_err + 5e-3, (rel(got, ref32), hf_err)
+    assert rel(got, ref16) < 2.5 * hf_err + 5e-3, (rel(got, ref16), hf_err)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -109,7 +117,7 @@ def test_greedy_tokens_match_transformers(checkpoint: Path, reference: dict, asy
     assert usable, "no prompt has a clear top-2 margin; raise initializer_range"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(str(checkpoint), device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
-             max_model_len=1024) as llm:
+             max_model_len=1024, num_gpu_blocks=512) as llm:
         got = llm.generate([reference["prompts"][i] for i in usable], params)
     for i, g in zip(usable, got):
         assert g.token_ids == reference["bf16"][i], f"prompt {i}"
@@ -119,13 +127,15 @@ def test_sync_equals_async_on_gpu_with_preemption(checkpoint: Path, reference: d
     from vt.llm import LLM
     from vt.sampling import SamplingParams
 
-    prompts = reference["prompts"] * 3
-    params = [SamplingParams(max_tokens=48, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
+    usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
+    prompts = [reference["prompts"][i] for i in usable] * 8
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = []
     for flag in (True, False):
-        with LLM(str(checkpoint), device="cuda", max_num_seqs=8, async_scheduling=flag, num_gpu_blocks=40,
+        with LLM(str(checkpoint), device="cuda", max_num_seqs=8, async_scheduling=flag, num_gpu_blocks=16,
                  max_model_len=1024, max_num_batched_tokens=256) as llm:
             outs.append([c.token_ids for c in llm.generate(prompts, params)])
             assert llm.engine.stats().num_preemptions_total > 0
+            assert llm.engine.scheduler.kv_usage == 0.0
     assert outs[0] == outs[1]
+    assert outs[0] == [reference["bf16"][i] for i in usable] * 8

@@ -65,6 +65,7 @@ ENGINES = {
                          async_scheduling=False),
     "no-chunk-no-cache": dict(enable_chunked_prefill=False, enable_prefix_caching=False),
     "graph-path": dict(),  # the CUDA-graph decode path (padding, static block tables) on numpy
+    "graph-path-sync": dict(async_scheduling=False),
 }
 
 
@@ -73,7 +74,7 @@ def test_greedy_matches_transformers(case: tuple, variant: str) -> None:
     path, prompts, expected = case
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(str(path), device="cpu", max_num_seqs=8, **ENGINES[variant]) as llm:
-        llm.engine.runner.use_graphs = variant == "graph-path"
+        llm.engine.runner.use_graphs = variant.startswith("graph-path")
         got = llm.generate(prompts, params)
         # A second round hits the prefix cache for every prompt.
         again = llm.generate(prompts, params)
@@ -82,7 +83,7 @@ def test_greedy_matches_transformers(case: tuple, variant: str) -> None:
             assert stats.num_preemptions_total > 0, "the small KV pool should force preemption"
         llm.engine.scheduler.check_invariants()
         assert llm.engine.scheduler.kv_usage == 0.0
-        if variant == "graph-path":
+        if variant.startswith("graph-path"):
             assert llm.engine.runner.graphs, "decode steps should have gone through captured graphs"
     for i, (g, a, e) in enumerate(zip(got, again, expected)):
         assert g.token_ids == e, f"prompt {i}: first divergence at {_first_diff(g.token_ids, e)}"

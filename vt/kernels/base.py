@@ -56,6 +56,19 @@ class Backend(Protocol):
     def copy_d2h(self, dst: np.ndarray, src: Array) -> None:
         """Asynchronous on the current stream into a pinned buffer."""
 
+    def scratch(self, shape: tuple[int, ...], dtype: str) -> Array:
+        """A buffer from the current slot's arena, valid until the arena is rewound."""
+
+    def ensure_workspace(self, nbytes: int) -> None:
+        """Grow each slot's arena to at least nbytes (setup time only; numpy: no-op)."""
+
+    def arena_mark(self) -> int | None:
+        """The open slot's arena offset, or None where there is no arena (numpy, no open slot)."""
+
+    def arena_reset(self, mark: int | None) -> None:
+        """Free what the open slot's arena handed out after mark; ops queued before stay valid
+        because they run in stream order before anything that reuses the memory."""
+
     # ---- model ops ----------------------------------------------------------------------
     def embed(self, ids: Array, table: Array) -> Array:
         """ids i32[T], table act[V, H] -> act[T, H]."""

@@ -196,10 +196,21 @@ class CudaBackend:
             return (host.astype(np.uint32) << 16).view(np.float32)
         return host
 
+    def ensure_workspace(self, nbytes: int) -> None:
+        """Grow every slot's arena to at least nbytes (setup only: no step may be in flight)."""
+        for s in self._slots:
+            if s.arena.nbytes < nbytes:
+                s.arena = _Arena(int(nbytes))
+
+    def scratch(self, shape: tuple[int, ...], dtype: str) -> cupy.ndarray:
+        """A buffer that lives until the current step's arena is reset (pool-backed outside slots)."""
+        return self._out(tuple(shape), self._dtype(dtype))
+
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes, for sizing the KV cache."""
         free, total = cupy.cuda.runtime.memGetInfo()
-        return int(free), int(total)
+        # Blocks the pool caches count as free: a later engine in the same process reuses them.
+        return int(free + cupy.get_default_memory_pool().free_bytes()), int(total)
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)

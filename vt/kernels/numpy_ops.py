@@ -171,6 +171,19 @@ class NumpyBackend:
         numpy_sampling.record_sampled(last_tokens, out_counts, rows, ids)
 
     # ---- async plumbing: numpy runs ops eagerly, so streams and events are trivial ----------
+    def ensure_workspace(self, nbytes: int) -> None:
+        """No arena on numpy: every op allocates."""
+
+    def scratch(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.empty(shape, dtype=_np_dtype(dtype))
+
+    def arena_mark(self) -> int | None:
+        """None: there is no arena to rewind, so callers skip the keep-and-rewind dance."""
+        return None
+
+    def arena_reset(self, mark: int | None) -> None:
+        return None
+
     def num_slots(self) -> int:
         return _NUM_SLOTS
 

@@ -100,6 +100,14 @@ class Transformer:
 
         x = ops.embed(batch.input_ids, self.embed)
         residual = None
+        # Rewind the step arena after every layer, keeping only the hidden state and residual in
+        # two buffers taken before the mark: a step's workspace is then one layer's, not all.
+        x_keep = r_keep = None
+        mark = _arena_mark(ops)
+        if mark is not None:
+            x_keep = ops.scratch((t, cfg.hidden_size), "act")
+            r_keep = ops.scratch((t, cfg.hidden_size), "act")
+            mark = ops.arena_mark()
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
             qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
@@ -116,8 +124,21 @@ class Transformer:
             x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)
             h, residual = ops.rms_norm(x, layer.post_norm, eps, residual)
             x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, None)), layer.down, None)
+            if mark is not None:
+                x_keep[...] = x
+                r_keep[...] = residual
+                ops.arena_reset(mark)
+                x, residual = x_keep, r_keep
         # The final norm is per row, so gather the sampled rows first and normalize only those.
         x_last = ops.gather_rows(x, batch.logits_indices)
         r_last = ops.gather_rows(residual, batch.logits_indices)
         h, _ = ops.rms_norm(x_last, self.final_norm, eps, r_last)
         return ops.logits(h, self.lm_head)
+
+
+def _arena_mark(ops: Backend) -> int | None:
+    """The open arena's offset, or None when the backend has no arena open (numpy, no slot)."""
+    try:
+        return ops.arena_mark()
+    except RuntimeError:
+        return None

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, e2e serving on CUDA, decode-step benchmarks. Logs go to $OUT.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/vt-out}"; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi -L | tee "$OUT/device.log"
+steps="${STEPS:-ops model e2e bench06 bench8}"
+for s in $steps; do
+  case $s in
+    ops) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
+    model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
+    e2e) VT_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_openai_e2e.py 2>&1 | tail -30 | tee "$OUT/e2e.log" ;;
+    bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,128,256 --context 512 2>&1 | tail -20 | tee "$OUT/decode06.log" ;;
+    bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,128,256 --context 512 --modes graph 2>&1 | tail -12 | tee "$OUT/decode8.log" ;;
+    serve06)
+      timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
+      for c in ${CONC:-16 64 256}; do
+        timeout 240 python3 -m vt bench --model /tmp/q06 --device cuda --compare-async --no-progress \
+          --num-prompts $((c * 2 > 64 ? c * 2 : 64)) --max-concurrency $c --input-len 128 --output-len 64 \
+          --max-num-seqs 256 --server-args='--max-model-len 2048' --json "/tmp/serve06_c$c.json" 2>&1 \
+          | tail -40 | tee "$OUT/serve06_c$c.log"
+      done ;;
+    serve8)
+      # One server per arm, every concurrency against it: an 8B load is too slow to repeat per run.
+      timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1 || tail -3 /tmp/make8.log
+      for arm in async-scheduling no-async-scheduling; do
+        python3 -m vt serve --model /tmp/q8 --device cuda --port 8123 --max-num-seqs 256 --max-model-len 2048 \
+          --$arm > /tmp/serve8_$arm.log 2>&1 &
+        pid=$!
+        for i in $(seq 240); do grep -q "serving on" /tmp/serve8_$arm.log && break; sleep 1; done
+        for c in ${CONC:-1 16 64 256}; do
+          timeout 200 python3 -m vt bench --base-url http://127.0.0.1:8123 --model /tmp/q8 --no-progress \
+            --num-prompts $((c * 2 > 32 ? c * 2 : 32)) --max-concurrency $c --input-len 128 --output-len 64 \
+            --json /tmp/serve8_${arm}_c$c.json 2>&1 | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Mean ITL|step time|idle" \
+            | sed "s/^/8b $arm c=$c: /" | tee -a "$OUT/serve8.log"
+        done
+        kill -TERM $pid; wait $pid
+      done ;;
+  esac
+done
