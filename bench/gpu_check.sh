@@ -40,5 +40,11 @@ for s in $steps; do
         done
         kill -TERM $pid; wait $pid
       done ;;
+    peer)
+      test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
+      timeout 200 python3 bench/peer_transformers.py --model /tmp/q06 --batch 128 2>&1 | tail -2 | tee "$OUT/peer.log"
+      timeout 200 python3 -m vt bench --model /tmp/q06 --device cuda --no-progress --num-prompts 128 \
+        --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
+        --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/peer.log" ;;
   esac
 done

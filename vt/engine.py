@@ -146,6 +146,7 @@ class AsyncEngine:
         self._inflight: collections.deque[StepHandle] = collections.deque()
         self._step_rids: dict[int, list[str]] = {}  # step id -> request ids of its sequences
         self._last_done: float | None = None
+        self._busy_after_done = False
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
@@ -281,8 +282,10 @@ class AsyncEngine:
                 batch = self.scheduler.schedule()
                 if not batch.empty:
                     now = time.monotonic()
-                    if not inflight and self._last_done is not None:
-                        self._stats.gpu_idle_seconds_total += now - self._last_done
+                    if not inflight and self._last_done is not None and self._busy_after_done:
+                        # The device sat idle from the last completion to this launch with work
+                        # waiting: the gap async scheduling exists to close.
+                        self._stats.gpu_idle_seconds_total += max(0.0, now - self._last_done)
                     try:
                         h = self.runner.execute(batch, self._eos_for)
                     except Exception as exc:  # staging failed: fail this batch's requests
@@ -310,12 +313,17 @@ class AsyncEngine:
                     self._step_failed(step_rids, exc)
                     continue
                 self._consecutive_failures = 0
-                self._last_done = time.monotonic()
+                # Device time of this step: from when it could start (its launch, or the previous
+                # step's completion if that came later) to its completion.
+                start = out.launch_time if self._last_done is None else max(out.launch_time,
+                                                                             self._last_done)
+                self._stats.step_time_seconds_total += max(0.0, out.done_time - start)
+                self._last_done = out.done_time
                 self._stats.steps_total += 1
-                self._stats.step_time_seconds_total += out.done_time - out.launch_time
                 if self.record_events:
                     self.events.append(StepEvent("done", h.step_id))
                 self._process(out)
+                self._busy_after_done = self.scheduler.has_unfinished()
                 continue
             if not launched:
                 self._wakeup.clear()

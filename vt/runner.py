@@ -95,10 +95,10 @@ class StepHandle:
     """A launched step. `wait()` (async) or `result()` (blocking) gives its StepOutput."""
 
     def __init__(self, runner: ModelRunner, step_id: int, slot: int, plan: _Plan,
-                 future: concurrent.futures.Future) -> None:
+                 future: concurrent.futures.Future, launch_time: float) -> None:
         self.runner, self.step_id, self.slot, self.plan = runner, step_id, slot, plan
         self.future = future
-        self.launch_time = time.monotonic()
+        self.launch_time = launch_time
 
     def done(self) -> bool:
         return self.future.done()
@@ -153,6 +153,8 @@ class ModelRunner:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
         self.graphs: dict[tuple[int, int], Any] = {}
         self.use_graphs = ops.name == "cuda" and not cfg.enforce_eager
+        if self.use_graphs:
+            self.capture_graphs()
 
     # ---- setup ------------------------------------------------------------------------------
     def _size_kv(self) -> int:
@@ -225,6 +227,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, eos_for: Any) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
         token ids that min_tokens keeps banned."""
+        launch_time = time.monotonic()
         for rid in batch.released:
             self.release(rid)
         slot = self.step_id % len(self.slots)
@@ -304,11 +307,17 @@ class ModelRunner:
                     max_seq_len=max(s.start_pos + s.num_tokens for s in seqs), graph=graph_ok)
         self.step_id += 1
         if self.ops.name == "numpy":
-            future = self.worker.submit(self._device_step, step)
+            future = self.worker.submit(self._timed, self._device_step, step)
         else:
             self._device_step(step)
-            future = self.worker.submit(self.ops.wait, slot)
-        return StepHandle(self, self.step_id - 1, slot, plan, future)
+            future = self.worker.submit(self._timed, self.ops.wait, slot)
+        return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time)
+
+    @staticmethod
+    def _timed(fn: Any, arg: Any) -> float:
+        """Run fn(arg) and return when it ended: the step's completion time, not its collection."""
+        fn(arg)
+        return time.monotonic()
 
     def _device_step(self, st: dict) -> None:
         ops = self.ops
@@ -393,14 +402,28 @@ class ModelRunner:
         key = (slot, size)
         graph = self.graphs.get(key)
         if graph is None:
-            def run() -> None:
-                fb = self._stage_static(buf, size)
-                self._forward_sample(buf, fb, size, 0, False, False)
             # No warm-up run: a step reads and writes last_tokens, so running it twice would feed
             # the sampled token back in. Kernels and cuBLAS handles exist from backend start.
-            graph = self.ops.capture(slot, run)
-            self.graphs[key] = graph
+            graph = self.graphs[key] = self.ops.capture(slot, self._graph_fn(buf, size))
         graph.replay()
+
+    def capture_graphs(self) -> None:
+        """Capture every decode size up front: a capture in the middle of serving stalls the
+        pipeline for as long as the capture takes. Capturing runs nothing on the device."""
+        for slot in range(len(self.slots)):
+            buf = self.slots[slot]
+            with self.ops.slot(slot):
+                for size in GRAPH_SIZES:
+                    if size > self.max_seqs:
+                        break
+                    self._pad_decode(buf, 0, 1, size)
+                    self.graphs[(slot, size)] = self.ops.capture(slot, self._graph_fn(buf, size))
+
+    def _graph_fn(self, buf: _SlotBuffers, size: int) -> Any:
+        def run() -> None:
+            fb = self._stage_static(buf, size)
+            self._forward_sample(buf, fb, size, 0, False, False)
+        return run
 
     def _pad_decode(self, buf: _SlotBuffers, nseq: int, mb: int, size: int) -> None:
         """Rows nseq..size-1 become harmless: no KV write, one context token, no sampler row."""
@@ -439,7 +462,7 @@ class ModelRunner:
                 out.append(SampledToken(rid, int(ids[b]), float(buf.out_logprob[b]), top))
             else:
                 out.append(SampledToken(rid, int(ids[b]), None, None))
-        return StepOutput(h.step_id, tuple(out), h.launch_time, time.monotonic())
+        return StepOutput(h.step_id, tuple(out), h.launch_time, h.future.result())
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)
