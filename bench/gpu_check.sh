@@ -22,7 +22,7 @@ for s in $steps; do
         timeout 240 python3 -m vt bench --model /tmp/q06 --device cuda --compare-async --no-progress \
           --num-prompts $((c * 2 > 64 ? c * 2 : 64)) --max-concurrency $c --input-len 128 --output-len 64 \
           --max-num-seqs 256 --server-args='--max-model-len 2048' --json "/tmp/serve06_c$c.json" 2>&1 \
-          | tail -40 | tee "$OUT/serve06_c$c.log"
+          | tail -40 | sed "s/^/c=$c /" | tee -a "$OUT/serve06.log"
       done ;;
     serve8)
       # One server per arm, every concurrency against it: an 8B load is too slow to repeat per run.
