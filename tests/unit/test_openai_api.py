@@ -420,11 +420,11 @@ async def test_completion_stream_framing(app):
     events = await read_sse(resp)
     assert events[-1] == "DONE"
     chunks = events[:-1]
-    # the empty delta is skipped; the rest concatenate to the full text
-    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "lo", " world"]
+    # one chunk per token, an empty text delta included; the texts concatenate to the full text
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "lo", "", " world"]
     assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert all("usage" not in c for c in chunks)
 
 
@@ -449,7 +449,7 @@ async def test_chat_stream_role_first_then_content(app):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     deltas = [c["choices"][0]["delta"].get("content") for c in chunks[1:]]
-    assert deltas == ["Hel", "lo", " world"]
+    assert deltas == ["Hel", "lo", "", " world"]  # one chunk per token
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -459,7 +459,7 @@ async def test_chat_stream_final_chunk_without_text(engine):
     app = OpenAIApp(engine, MODEL)
     events = await read_sse(await call(app, "POST", "/v1/chat/completions", {**CHAT, "stream": True}))
     last = events[-2]["choices"][0]
-    assert last["delta"] == {}
+    assert last["delta"].get("content", "") == ""  # no text in the last token
     assert last["finish_reason"] == "stop"
 
 

@@ -406,7 +406,9 @@ class OpenAIApp:
                                       "type": "internal_server_error", "param": None, "code": None}})
                 yield DONE
                 return
-            if not out.text and not out.finished and not (want_lp and out.logprobs):
+            # One chunk per generated token, even when its text is held back or empty (as vLLM
+            # does): clients count tokens and time them from the stream.
+            if not out.text and not out.token_ids and not out.finished:
                 continue
             choice = {
                 "index": i, "text": out.text,
@@ -470,11 +472,10 @@ class OpenAIApp:
                                       "type": "internal_server_error", "param": None, "code": None}})
                 yield DONE
                 return
-            has_lp = r.want_logprobs and bool(out.logprobs)
-            if not out.text and not out.finished and not has_lp:
+            if not out.text and not out.token_ids and not out.finished:
                 continue
             yield chunk({
-                "index": i, "delta": {"content": out.text} if out.text else {},
+                "index": i, "delta": {"content": out.text} if out.text or out.token_ids else {},
                 "logprobs": self._chat_logprobs(list(out.logprobs or ())) if r.want_logprobs else None,
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
