@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or VT_API_KEY)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0)
+    s.add_argument("--http-header-timeout", type=float, default=None,
+                   help="seconds for a request head to arrive (default 10; VT_HTTP_HEADER_TIMEOUT)")
+    s.add_argument("--http-keepalive-timeout", type=float, default=None,
+                   help="idle keep-alive seconds (default 30; VT_HTTP_KEEPALIVE_TIMEOUT)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections beyond which new ones get 503 (default 1024; VT_MAX_CONNECTIONS)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="request body limit, 413 beyond (default 16 MiB; VT_MAX_BODY_BYTES)")
     s.add_argument("--log-level", default="warning")
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -120,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _engine_config(args)
         if args.command == "serve":
             logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-            from vt.serve import run_server
+            from vt.serve import limits_from_env, run_server
 
+            limits = limits_from_env(header_timeout_s=args.http_header_timeout,
+                                     keepalive_timeout_s=args.http_keepalive_timeout,
+                                     max_connections=args.max_connections,
+                                     max_body_bytes=args.max_body_bytes)
             name = args.served_model_name or Path(cfg.model).name
-            return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout)
+            return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits)
         return _generate(args, cfg)
     except KeyboardInterrupt:
         return 130
