@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
+from vt.engine import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpRequest, Response, StreamResponse
@@ -17,25 +18,6 @@ MODEL = "tiny-model"
 
 
 # --- fakes -------------------------------------------------------------------------------------
-
-class PromptTooLongError(ValueError):
-    pass
-
-
-class QueueFullError(RuntimeError):
-    pass
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
 
 @dataclass(frozen=True)
 class Out:

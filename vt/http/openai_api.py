@@ -402,13 +402,10 @@ class OpenAIApp:
             c = choices[i]
             c.update(out)
             if out.finished and out.finish_reason == "error":
-                yield _sse({"error": {"message": out.error or "the request failed in the engine",
-                                      "type": "internal_server_error", "param": None, "code": None}})
+                yield _error_event(out)
                 yield DONE
                 return
-            # One chunk per generated token, even when its text is held back or empty (as vLLM
-            # does): clients count tokens and time them from the stream.
-            if not out.text and not out.token_ids and not out.finished:
+            if _nothing_new(out):
                 continue
             choice = {
                 "index": i, "text": out.text,
@@ -468,11 +465,10 @@ class OpenAIApp:
         async for i, out in _merge(streams):
             choices[i].update(out)
             if out.finished and out.finish_reason == "error":
-                yield _sse({"error": {"message": out.error or "the request failed in the engine",
-                                      "type": "internal_server_error", "param": None, "code": None}})
+                yield _error_event(out)
                 yield DONE
                 return
-            if not out.text and not out.token_ids and not out.finished:
+            if _nothing_new(out):
                 continue
             yield chunk({
                 "index": i, "delta": {"content": out.text} if out.text or out.token_ids else {},
@@ -530,3 +526,15 @@ class OpenAIApp:
 
     async def _version(self, req: HttpRequest) -> Response:
         return _json({"version": _version()})
+
+
+def _error_event(out: Any) -> bytes:
+    """The SSE event that ends a stream whose request failed inside the engine."""
+    return _sse({"error": {"message": out.error or "the request failed in the engine",
+                           "type": "internal_server_error", "param": None, "code": None}})
+
+
+def _nothing_new(out: Any) -> bool:
+    """True for an output with no token, no text and no finish. A token with empty or held-back
+    text still gets its chunk (as vLLM does): clients count tokens and time them from the stream."""
+    return not out.text and not out.token_ids and not out.finished
