@@ -31,8 +31,7 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     shown = f"[{host}]" if ":" in host else host
-    print(f"vt: serving {served_model_name} on http://{shown}:{server.port}", flush=True)
-    print(f"vt: serving on http://{shown}:{server.port}", flush=True)
+    print(f"vt: serving on http://{shown}:{server.port} (model {served_model_name})", flush=True)
     await stop.wait()
     print("vt: shutting down", flush=True)
     # Stop accepting, let in-flight requests finish within the timeout, then abort the rest.

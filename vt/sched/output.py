@@ -32,7 +32,8 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class ScheduledBatch:
     seqs: tuple[ScheduledSeq, ...]
-    released: tuple[str, ...]      # requests that left the running set since the last batch
+    released: tuple[str, ...]      # left the running set since the last batch; the runner handles
+                                   # these before this batch's `new` entries
     num_tokens: int
 
     @property

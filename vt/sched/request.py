@@ -24,8 +24,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Invariants: num_computed_tokens <= num_tokens + num_pending; num_pending is 0 or 1 (the
-    token sampled by a step still in flight); len(output_token_ids) + num_pending <= max_tokens."""
+    """Invariants: num_computed_tokens <= num_tokens + num_pending; num_pending counts tokens
+    sampled by steps still in flight (at most one per step, so at most 2 at depth 2);
+    len(output_token_ids) + num_pending <= max_tokens."""
 
     request_id: str
     prompt_token_ids: list[int]
