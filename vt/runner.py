@@ -209,7 +209,9 @@ class ModelRunner:
         return row
 
     def _init_penalty_row(self, row: _Row, new: Any) -> None:
-        """Rebuild a row's prompt mask and output counts (device work on the current slot)."""
+        """Rebuild a row's prompt mask and output counts (device work on the current slot).
+        Only admissions of requests with penalties come here; their small index uploads go through
+        from_host, which allocates and waits for the stream: a known cost of those steps only."""
         ops = self.ops
         self.out_counts[row.index].fill(0)
         self.prompt_mask[row.index].fill(0)
