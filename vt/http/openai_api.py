@@ -368,16 +368,20 @@ class OpenAIApp:
             content.append(e)
         return {"content": content}
 
+    def _launch(self, prefix: str, prompt_ids: list[int], r: Any) -> tuple[str, int, list, list]:
+        """Start the n engine requests of one API call: (response id, created, streams, choices)."""
+        base_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams = self._start(base_id, prompt_ids, r)
+        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        return base_id, int(time.time()), streams, choices
+
     # --- /v1/completions ---
 
     async def _completions(self, req: HttpRequest) -> Response | StreamResponse:
         r = parse_completion_request(parse_json_object(req.body))
         self._check_model(r.model)
         prompt_ids = self._completion_prompt_ids(r.prompt)
-        base_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        streams = self._start(base_id, prompt_ids, r)
-        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        base_id, created, streams, choices = self._launch("cmpl", prompt_ids, r)
         if r.stream:
             gen = self._completion_chunks(base_id, created, r, len(prompt_ids), streams, choices)
             return StreamResponse(200, _SseBody(gen, streams))
@@ -429,10 +433,7 @@ class OpenAIApp:
         prompt_ids = self._chat_prompt_ids(r.messages)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
-        base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        streams = self._start(base_id, prompt_ids, r)
-        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        base_id, created, streams, choices = self._launch("chatcmpl", prompt_ids, r)
         if r.stream:
             gen = self._chat_chunks(base_id, created, r, len(prompt_ids), streams, choices)
             return StreamResponse(200, _SseBody(gen, streams))
