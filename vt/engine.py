@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from vt.config import EngineConfig, ModelConfig
@@ -223,15 +222,6 @@ class AsyncEngine:
         self._wakeup.set()
         return RequestStream(self, request_id, state.queue)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt_token_ids, params, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()
-
     def abort(self, request_id: str) -> None:
         state = self._states.get(request_id)
         if state is None:
@@ -281,6 +271,9 @@ class AsyncEngine:
             if len(inflight) < self.depth and self._dead is None:
                 batch = self.scheduler.schedule()
                 if not batch.empty:
+                    # An admitted request starts past the prompt tokens the prefix cache had.
+                    self._stats.prefix_cache_hit_tokens_total += sum(
+                        s.start_pos for s in batch.seqs if s.new is not None)
                     now = time.monotonic()
                     if not inflight and self._last_done is not None and self._busy_after_done:
                         # The device sat idle from the last completion to this launch with work
@@ -385,7 +378,6 @@ class AsyncEngine:
                 state.queue.put_nowait(RequestOutput(
                     req.request_id, text, (tok.token_id,), lp, False, None, None,
                     len(req.prompt_token_ids), num_out, req.num_cached_tokens))
-        self._stats.prefix_cache_hit_tokens_total = getattr(self.scheduler, "prefix_hit_tokens_total", 0)
 
     def _finish(self, state: _State, status: RequestStatus, reason: str, stop_reason: str | int | None,
                 text: str, token_ids: tuple[int, ...] = (), lp: tuple[TokenLogprob, ...] | None = None,

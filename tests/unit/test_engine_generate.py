@@ -75,12 +75,14 @@ def test_greedy_matches_transformers(case: tuple, variant: str) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(str(path), device="cpu", max_num_seqs=8, **ENGINES[variant]) as llm:
         if variant.startswith("graph-path"):
-            llm.engine.runner.use_graphs = True
             llm.engine.runner.capture_graphs()  # as on CUDA: every size before the first step
         got = llm.generate(prompts, params)
         # A second round hits the prefix cache for every prompt.
         again = llm.generate(prompts, params)
         stats = llm.engine.stats()
+        # The second round reuses every prompt's full blocks, unless caching is off.
+        cached = ENGINES[variant].get("enable_prefix_caching", True)
+        assert (stats.prefix_cache_hit_tokens_total > 0) == cached
         if variant.startswith("preempt"):
             assert stats.num_preemptions_total > 0, "the small KV pool should force preemption"
         llm.engine.scheduler.check_invariants()
