@@ -120,7 +120,23 @@ class _Plan:
 
     sample_req: list[tuple[int, str]]   # (batch row, request id) of sampling sequences
     logprobs_k: int
-    num_seqs: int
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What the device part of a step needs from its host-side staging."""
+
+    slot: int
+    ntok: int
+    nseq: int
+    mb: int                              # block-table stride of this step
+    penalty_inits: list
+    logprobs_k: int
+    any_penalty: bool
+    any_ban: bool
+    max_query_len: int
+    max_seq_len: int
+    graph: bool
 
 
 class ModelRunner:
@@ -152,8 +168,8 @@ class ModelRunner:
         # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
         self.graphs: dict[tuple[int, int], Any] = {}
-        self.use_graphs = ops.name == "cuda" and not cfg.enforce_eager
-        if self.use_graphs:
+        self.use_graphs = False  # capture_graphs() turns it on
+        if ops.name == "cuda" and not cfg.enforce_eager:
             self.capture_graphs()
 
     # ---- setup ------------------------------------------------------------------------------
@@ -300,13 +316,12 @@ class ModelRunner:
                     any_ban = True
             else:
                 buf.sample_rows[0][b] = -1
-        plan = _Plan(sample_req, logprobs_k, nseq)
-        graph_ok = (self.use_graphs and decode_only and not penalty_inits and not any_penalty
-                    and not any_ban and logprobs_k == 0)
-        step = dict(slot=slot, ntok=t, nseq=nseq, mb=mb, penalty_inits=penalty_inits,
-                    logprobs_k=logprobs_k, any_penalty=any_penalty, any_ban=any_ban,
-                    max_query_len=max(s.num_tokens for s in seqs),
-                    max_seq_len=max(s.start_pos + s.num_tokens for s in seqs), graph=graph_ok)
+        plan = _Plan(sample_req, logprobs_k)
+        # decode_only already excludes admissions, hence rows that need a penalty setup.
+        graph_ok = self.use_graphs and decode_only and not any_penalty and not any_ban and logprobs_k == 0
+        step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
+                       max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
+                       graph_ok)
         self.step_id += 1
         if self.ops.name == "numpy":
             future = self.worker.submit(self._timed, self._device_step, step)
@@ -321,21 +336,21 @@ class ModelRunner:
         fn(arg)
         return time.monotonic()
 
-    def _device_step(self, st: dict) -> None:
+    def _device_step(self, st: _Launch) -> None:
         ops = self.ops
-        slot, ntok, nseq, mb = st["slot"], st["ntok"], st["nseq"], st["mb"]
+        slot, nseq, mb = st.slot, st.nseq, st.mb
         buf = self.slots[slot]
         with ops.slot(slot):
             if self.prev_slot is not None and self.prev_slot != slot:
                 ops.after(slot, self.prev_slot)
             self.prev_slot = slot
-            if st["graph"]:
+            if st.graph:
                 self._replay_decode(slot, nseq, mb)
             else:
-                for row, new in st["penalty_inits"]:
+                for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
-                fb = self._stage(buf, ntok, nseq, mb, st["max_query_len"], st["max_seq_len"])
-                self._forward_sample(buf, fb, nseq, st["logprobs_k"], st["any_penalty"], st["any_ban"])
+                fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len)
+                self._forward_sample(buf, fb, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
             ops.record(slot)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
@@ -402,16 +417,15 @@ class ModelRunner:
             return
         self._pad_decode(buf, nseq, mb, size)
         key = (slot, size)
-        graph = self.graphs.get(key)
-        if graph is None:
-            # No warm-up run: a step reads and writes last_tokens, so running it twice would feed
-            # the sampled token back in. Kernels and cuBLAS handles exist from backend start.
-            graph = self.graphs[key] = self.ops.capture(slot, self._graph_fn(buf, size))
-        graph.replay()
+        self.graphs[key].replay()
 
     def capture_graphs(self) -> None:
-        """Capture every decode size up front: a capture in the middle of serving stalls the
-        pipeline for as long as the capture takes. Capturing runs nothing on the device."""
+        """Capture every decode size up front and turn graph replay on: a capture in the middle
+        of serving stalls the pipeline for as long as the capture takes. Capturing runs nothing on
+        the device, and there is no warm-up run: a step reads and writes last_tokens, so running
+        it twice would feed the sampled token back in (kernels and cuBLAS handles exist from
+        backend start)."""
+        self.use_graphs = True
         for slot in range(len(self.slots)):
             buf = self.slots[slot]
             with self.ops.slot(slot):
@@ -423,7 +437,7 @@ class ModelRunner:
 
     def _graph_fn(self, buf: _SlotBuffers, size: int) -> Any:
         def run() -> None:
-            fb = self._stage_static(buf, size)
+            fb = self._stage(buf, size, size, self.max_blocks, 1, self.max_model_len)
             self._forward_sample(buf, fb, size, 0, False, False)
         return run
 
@@ -446,9 +460,6 @@ class ModelRunner:
         buf.min_p[0][nseq:size] = 0.0
         buf.seeds[0][nseq:size] = 0
         buf.offsets[0][nseq:size] = 0
-
-    def _stage_static(self, buf: _SlotBuffers, size: int) -> ForwardBatch:
-        return self._stage(buf, size, size, self.max_blocks, 1, self.max_model_len)
 
     # ---- results ------------------------------------------------------------------------------
     def _collect(self, h: StepHandle) -> StepOutput:
