@@ -9,18 +9,30 @@ if [ -d .whl ]; then
 fi
 nvidia-smi -L | tee "$OUT/device.log"
 steps="${STEPS:-ops model e2e bench06 bench8}"
+# transformers (generate and generate_batch), then vt at the same concurrency: $1 checkpoint, $2 log name
+peer_pair() {
+  timeout 300 python3 bench/peer_transformers.py --model "$1" --batch 128 --json "$OUT/$2.json" 2>&1 \
+    | grep -vE "Loading weights|WARNING" | tail -4 | tee "$OUT/$2.log"
+  timeout 300 python3 -m vt bench --model "$1" --device cuda --no-progress --num-prompts 128 \
+    --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
+    --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
+}
 for s in $steps; do
   case $s in
     ops) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
     model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
     e2e) VT_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_openai_e2e.py 2>&1 | tail -30 | tee "$OUT/e2e.log" ;;
-    bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,128,256 --context 512 2>&1 | tail -20 | tee "$OUT/decode06.log" ;;
-    bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,128,256 --context 512 --modes graph 2>&1 | tail -12 | tee "$OUT/decode8.log" ;;
+    kernels) timeout 150 python3 bench/kernel_bench.py 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
+    bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,64,128,256 --context 512 \
+      --modes "${MODES:-graph,eager}" 2>&1 | grep "^|" | tee "$OUT/decode06.log" ;;
+    bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
+      2>&1 | grep "^|" | tee "$OUT/decode8.log" ;;
     serve06)
       timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
       for c in ${CONC:-16 64 256}; do
-        timeout 240 python3 -m vt bench --model /tmp/q06 --device cuda --compare-async --no-progress \
-          --num-prompts $((c * 2 > 64 ? c * 2 : 64)) --max-concurrency $c --input-len 128 --output-len 64 \
+        timeout 300 python3 -m vt bench --model /tmp/q06 --device cuda --compare-async --no-progress \
+          --repeats "${REPEATS:-1}" --num-prompts $((c * 4 > 256 ? c * 4 : 256)) --max-concurrency $c \
+          --input-len 128 --output-len 64 \
           --max-num-seqs 256 --server-args='--max-model-len 2048' --json "/tmp/serve06_c$c.json" 2>&1 \
           | tail -40 | sed "s/^/c=$c /" | tee -a "$OUT/serve06.log"
       done ;;
@@ -42,9 +54,14 @@ for s in $steps; do
       done ;;
     peer)
       test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
-      timeout 200 python3 bench/peer_transformers.py --model /tmp/q06 --batch 128 2>&1 | tail -2 | tee "$OUT/peer.log"
-      timeout 200 python3 -m vt bench --model /tmp/q06 --device cuda --no-progress --num-prompts 128 \
-        --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
-        --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/peer.log" ;;
+      peer_pair /tmp/q06 peer ;;
+    peer8)
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      peer_pair /tmp/q8 peer8 ;;
+    prefill)
+      for p in 0.6b 8b; do
+        timeout 200 python3 bench/prefill.py --preset $p --json "$OUT/prefill_$p.json" 2>&1 | tail -8 \
+          | tee -a "$OUT/prefill.log"
+      done ;;
   esac
 done

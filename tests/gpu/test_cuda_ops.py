@@ -229,6 +229,45 @@ def test_write_kv_skips_negative_slots(cb, nb, rng):
     np.testing.assert_array_equal(cb.to_host(vc), rv)
 
 
+@pytest.mark.parametrize("with_norm,d", [(True, 128), (False, 64), (True, 256)])
+def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d):
+    """One launch for head norms, rope and the cache write: bit for bit the three CUDA ops, and
+    within bf16 of numpy; padding slots (-1) leave the cache alone."""
+    t, hq, hk, nblk, bs = 9, 8, 2, 4, 4
+    qkv = bf16(rng.standard_normal((t, (hq + 2 * hk) * d)) * 3)
+    pos = rng.integers(0, 4000, t).astype(np.int32)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    slots = rng.permutation(nblk * bs)[:t].astype(np.int32)
+    slots[3] = -1
+    qw, kw = bf16(rng.uniform(0.5, 1.5, d)), bf16(rng.uniform(0.5, 1.5, d))
+    cache0 = bf16(rng.standard_normal((nblk, bs, hk, d)))
+
+    def views(buf):
+        return (buf[:, : hq * d].reshape(t, hq, d), buf[:, hq * d : (hq + hk) * d].reshape(t, hk, d),
+                buf[:, (hq + hk) * d :].reshape(t, hk, d))
+
+    dev_pos, dev_slots = cb.from_host(pos, "i32"), cb.from_host(slots, "i32")
+    dev_freq = cb.from_host(inv_freq, "f32")
+    norms = (act(cb, qw), act(cb, kw)) if with_norm else (None, None)
+    fused, kc, vc = act(cb, qkv), act(cb, cache0), act(cb, cache0)
+    cb.qk_norm_rope_write_kv(*views(fused), *norms, 1e-6, dev_pos, dev_freq, kc, vc, dev_slots)
+    three, kc3, vc3 = act(cb, qkv), act(cb, cache0), act(cb, cache0)
+    q3, k3, v3 = views(three)
+    if with_norm:
+        q3[...] = cb.head_rms_norm(q3, norms[0], 1e-6)
+        k3[...] = cb.head_rms_norm(k3, norms[1], 1e-6)
+    cb.rope(q3, k3, dev_pos, dev_freq)
+    cb.write_kv(k3, v3, kc3, vc3, dev_slots)
+    for a, b in ((fused, three), (kc, kc3), (vc, vc3)):
+        np.testing.assert_array_equal(cb.to_host(a), cb.to_host(b))
+    ref, rkc, rvc = qkv.copy(), cache0.copy(), cache0.copy()
+    nb.qk_norm_rope_write_kv(*views(ref), *((qw, kw) if with_norm else (None, None)), 1e-6, pos, inv_freq,
+                             rkc, rvc, slots)
+    assert rel_err(cb.to_host(fused), ref) < BF16_TOL
+    assert rel_err(cb.to_host(kc), rkc) < BF16_TOL
+    np.testing.assert_array_equal(cb.to_host(vc), rvc)
+
+
 def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs, extra_blocks=3):
     """Random q and caches with each sequence's blocks drawn from a shuffled pool; table padding
     holds an out-of-range block id that attention must never read."""
@@ -254,6 +293,9 @@ def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs, extra_blocks=3):
         ([1, 1], [5000, 4100], 32, 8, 128),  # tiny batch, long contexts: many splits
         ([70, 33], [70, 100], 4, 4, 64),  # no GQA, head dim 64, multi-tile prefill
         ([3, 2], [20, 9], 8, 1, 256),  # head dim 256, MQA
+        ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # many row and key tiles, chunked prefill
+        ([4, 1, 2], [30, 100, 70], 16, 4, 128),  # short query spans through the 16-row decode tiles
+        ([1] * 3, [64, 65, 128], 16, 8, 64),  # key counts on and just past tile edges, head dim 64
     ],
 )
 def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):

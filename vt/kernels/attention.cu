@@ -1,4 +1,6 @@
-// Paged causal attention over a ragged batch: one kernel for prefill, chunked prefill and decode.
+// Paged causal attention over a ragged batch: one kernel for prefill, chunked prefill and decode,
+// on CUDA cores. Head dims 64 and 128 run on tensor cores instead (attention_tc.cu); this kernel
+// serves the others (multiples of 8 up to 256).
 //
 // Grid: x = tiles of 4 * R query rows, y = kv head, z = sequence * num_splits. A query "row" of a
 // sequence is a (token j, head g of the GQA group) pair, row = j * G + g, so the G heads that share
@@ -28,23 +30,11 @@ __device__ __forceinline__ void attention_body(
     float2* qs = reinterpret_cast<float2*>(smem + KT * half * 4);
     unsigned int* ks = reinterpret_cast<unsigned int*>(smem + KT * half * 4 + 4 * R * half * 8);
 
-    const int group = hq / hk;
-    const int kh = blockIdx.y;
-    const int b = blockIdx.z / num_splits, split = blockIdx.z % num_splits;
-    const int q0 = query_start_loc[b];
-    const int qlen = query_start_loc[b + 1] - q0;
-    const int ctx = seq_lens[b];
-    const int nrows = qlen * group;
-    const int row0 = blockIdx.x * 4 * R;
-    if (row0 >= nrows) return;
+    const AttnBlock a = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 4 * R, KT);
+    if (a.row0 >= a.nrows) return;
+    const int group = a.group, kh = a.kh, b = a.b, split = a.split, q0 = a.q0, qlen = a.qlen, ctx = a.ctx;
+    const int nrows = a.nrows, row0 = a.row0, kv_end = a.kv_end, tile0 = a.tile0, tile1 = a.tile1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-
-    // Keys this block needs: up to the position of its last row.
-    const int last_row = min(row0 + 4 * R, nrows) - 1;
-    const int kv_end = min(ctx, ctx - qlen + last_row / group + 1);
-    const int ntiles = (kv_end + KT - 1) / KT;
-    const int chunk = (ntiles + num_splits - 1) / num_splits;
-    const int tile0 = split * chunk, tile1 = min(ntiles, tile0 + chunk);
 
     // Stage this block's query rows, scaled, as float pairs.
     for (int e = threadIdx.x; e < 4 * R * half; e += blockDim.x) {

@@ -90,6 +90,13 @@ class Backend(Protocol):
         """In place: k, v act[T, Hk, D] into caches act[NB, BS, Hk, D] at flat slot
         slot_mapping[t] = block * BS + offset; a negative slot is skipped (padding)."""
 
+    def qk_norm_rope_write_kv(self, q: Array, k: Array, v: Array, q_norm: Array | None,
+                              k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
+                              k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+        """In place, the attention prologue as one op: q and k get head_rms_norm (where a weight
+        is given) and then rope, written back into q and k; then write_kv(k, v, ...). Equal to
+        those three ops in that order, bf16 rounding after each included."""
+
     def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
                   seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
                   max_seq_len: int) -> Array:
@@ -162,3 +169,15 @@ class Backend(Protocol):
         """Capture fn() (ops on slot i's stream and arena, static buffers only) into a replayable
         object with .replay() that re-runs the same work on slot i's stream; numpy returns an
         object whose replay() calls fn()."""
+
+
+def norm_rope_write_kv_unfused(ops: Backend, q: Array, k: Array, v: Array, q_norm: Array | None,
+                               k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
+                               k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+    """qk_norm_rope_write_kv spelled as its three ops (the definition the fused kernel meets)."""
+    if q_norm is not None:
+        q[...] = ops.head_rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k[...] = ops.head_rms_norm(k, k_norm, eps)
+    ops.rope(q, k, positions, inv_freq)
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)

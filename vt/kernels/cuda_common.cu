@@ -85,3 +85,30 @@ __device__ void block_argmax(float& v, int& i, float* scratch_v, int* scratch_i)
     i = lane < nw ? scratch_i[lane] : 0x7fffffff;
     warp_argmax(v, i);
 }
+
+// Where a block of the paged attention grid sits (x = row tile, y = kv head, z = sequence *
+// num_splits; rows are (token, GQA head) pairs of one kv head), and the key tiles of `kt` keys
+// it covers: up to the position of its last row, this split's share of them.
+struct AttnBlock {
+    int group, kh, b, split, q0, qlen, ctx, nrows, row0, kv_end, tile0, tile1;
+};
+__device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, const int* seq_lens, int hq, int hk,
+                                                int num_splits, int rows_per_block, int kt) {
+    AttnBlock a;
+    a.group = hq / hk;
+    a.kh = blockIdx.y;
+    a.b = blockIdx.z / num_splits;
+    a.split = blockIdx.z % num_splits;
+    a.q0 = query_start_loc[a.b];
+    a.qlen = query_start_loc[a.b + 1] - a.q0;
+    a.ctx = seq_lens[a.b];
+    a.nrows = a.qlen * a.group;
+    a.row0 = blockIdx.x * rows_per_block;
+    const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
+    a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
+    const int ntiles = (a.kv_end + kt - 1) / kt;
+    const int chunk = (ntiles + num_splits - 1) / num_splits;
+    a.tile0 = a.split * chunk;
+    a.tile1 = min(ntiles, a.tile0 + chunk);
+    return a;
+}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,13 +21,15 @@ import cupy
 import ml_dtypes
 import numpy as np
 
+from vt.kernels.attention_plan import TC_HEAD_DIMS, TC_STAGES, attention_kernel, key_splits
+from vt.kernels.base import norm_rope_write_kv_unfused
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
 _ALIGN = 256
-_KERNEL_FILES = ("elementwise.cu", "attention.cu", "sampling.cu")
-_ATTN_SMEM_MAX = 100 * 1024
+_KERNEL_FILES = ("elementwise.cu", "attention.cu", "attention_tc.cu", "sampling.cu")
+_ATTN_SMEM_MAX = 200 * 1024
 _GREEDY_EPS = 1e-5
 _LOG2E = 1.4426950408889634
 _i32 = np.int32
@@ -107,6 +108,11 @@ class CudaBackend:
         self._tls = threading.local()  # per-thread active arena (cupy's current stream is per thread too)
         self._kernels = self._compile()
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._occupancy: dict[tuple[str, int], int] = {}
+        for d in TC_HEAD_DIMS:  # queried now: the driver is not asked while a graph is captured
+            for q_len in (1, 64):
+                kernel, _, _, smem = attention_kernel(1, q_len, d)
+                self._resident_blocks(kernel, smem)
         lib = load_libcublas()
         new_gemm = lambda: CublasGemm(lib, cupy.empty((cublas_workspace_bytes,), dtype=np.uint8))
         self._slots = [_Slot(workspace_bytes, new_gemm()) for _ in range(_NUM_SLOTS)]
@@ -118,8 +124,9 @@ class CudaBackend:
         common = pkg.joinpath("cuda_common.cu").read_text()
         kernels: dict[str, Any] = {}
         for fname in _KERNEL_FILES:
+            defines = f"#define TC_STAGES {TC_STAGES}\n" if fname == "attention_tc.cu" else ""
             module = cupy.RawModule(
-                code=common + "\n" + pkg.joinpath(fname).read_text(), options=("-std=c++17",)
+                code=common + "\n" + defines + pkg.joinpath(fname).read_text(), options=("-std=c++17",)
             )
             module.compile()
             kernels[fname] = module
@@ -130,11 +137,15 @@ class CudaBackend:
                 "head_rms_norm_k",
                 "rope_k",
                 "write_kv_k",
+                "qk_norm_rope_write_kv_k",
                 "silu_mul_k",
                 "bias_add_k",
                 "fill_from_last_k",
             ),
             "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
+            "attention_tc.cu": tuple(
+                f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("prefill", "decode")
+            ),
             "sampling.cu": (
                 "log_softmax_topk_k",
                 "penalize_k",
@@ -144,10 +155,20 @@ class CudaBackend:
             ),
         }
         fns = {n: kernels[f].get_function(n) for f, ns in names.items() for n in ns}
-        for n in ("attention_r1", "attention_r2", "attention_r4"):
+        for n in ("attention_r1", "attention_r2", "attention_r4", *names["attention_tc.cu"]):
             fn = fns[n]
             getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
         return fns
+
+    def _resident_blocks(self, kernel: str, smem: int) -> int:
+        """How many 128-thread blocks of `kernel` the whole chip runs at once (cached)."""
+        key = (kernel, smem)
+        if key not in self._occupancy:
+            fn = self._kernels[kernel]
+            func = getattr(fn, "kernel", None) or getattr(fn, "function", fn)  # RawKernel -> Function
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func.ptr, 128, smem)
+            self._occupancy[key] = max(1, per_sm) * self._num_sms
+        return self._occupancy[key]
 
     def _launch(
         self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
@@ -380,6 +401,45 @@ class CudaBackend:
                 (k, _i32(kst), v, _i32(vst), k_cache, v_cache, slot_mapping, _i32(hk * d), np.int64(nb * bs)),
             )
 
+    def qk_norm_rope_write_kv(
+        self,
+        q: cupy.ndarray,
+        k: cupy.ndarray,
+        v: cupy.ndarray,
+        q_norm: cupy.ndarray | None,
+        k_norm: cupy.ndarray | None,
+        eps: float,
+        positions: cupy.ndarray,
+        inv_freq: cupy.ndarray,
+        k_cache: cupy.ndarray,
+        v_cache: cupy.ndarray,
+        slot_mapping: cupy.ndarray,
+    ) -> None:
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        nb, bs, hkc, dc = k_cache.shape
+        if d % 16 or d > 256 or (q_norm is None) != (k_norm is None):
+            # Shapes the one-warp-per-head kernel does not cover take the three-op path.
+            norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
+                                       v_cache, slot_mapping)
+            return
+        qs, ks, vs = (_token_stride(x, "qk_norm_rope_write_kv") for x in (q, k, v))
+        bad = k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or (hkc, dc) != (hk, d)
+        if bad or inv_freq.shape[0] != d // 2 or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"qk_norm_rope_write_kv: q {q.shape}, k {k.shape}, v {v.shape}, caches {k_cache.shape}, "
+                f"{v_cache.shape}, inv_freq {inv_freq.shape} disagree"
+            )
+        if t:
+            self._launch(
+                "qk_norm_rope_write_kv_k",
+                (t, -(-(hq + 2 * hk) // 8)),
+                (256,),
+                (q, _i32(qs), k, _i32(ks), v, _i32(vs), 0 if q_norm is None else q_norm,
+                 0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
+                 slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d)),
+            )
+
     def attention(
         self,
         q: cupy.ndarray,
@@ -407,43 +467,19 @@ class CudaBackend:
         b = seq_lens.shape[0]
         if t == 0 or b == 0 or max_query_len <= 0:
             return out
-        r, row_tiles, splits = attention_launch_shape(
-            self._num_sms, b, hk, max_query_len * (hq // hk), max_seq_len
-        )
-        half = d // 2
-        smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
+        kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d)
+        splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len)
         if splits > 1:
             part_o = self._out((splits, t, hq, d), np.float32)
             part_ml = self._out((splits, t, hq, 2), np.float32)
         else:
             part_o = part_ml = 0
         scale_log2 = _f32(scale * _LOG2E)
-        self._launch(
-            f"attention_r{r}",
-            (row_tiles, hk, b * splits),
-            (128,),
-            (
-                q,
-                _i32(qst),
-                k_cache,
-                v_cache,
-                query_start_loc,
-                seq_lens,
-                block_tables,
-                _i32(block_tables.shape[1]),
-                out,
-                part_o,
-                part_ml,
-                _i32(t),
-                _i32(hq),
-                _i32(hk),
-                _i32(d),
-                _i32(bs),
-                scale_log2,
-                _i32(splits),
-            ),
-            shared_mem=smem,
-        )
+        common = (q, _i32(qst), k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                  _i32(block_tables.shape[1]), out, part_o, part_ml, _i32(t), _i32(hq), _i32(hk))
+        tail = (_i32(bs), scale_log2, _i32(splits))
+        args = common + tail if tensor_cores else common + (_i32(d),) + tail
+        self._launch(kernel, (row_tiles, hk, b * splits), (128,), args, shared_mem=smem)
         if splits > 1:
             self._launch(
                 "attention_combine_k",
@@ -638,18 +674,3 @@ class CudaBackend:
             finally:
                 graph = s.stream.end_capture()
         return _Graph(graph, s.stream)
-
-
-def attention_launch_shape(
-    num_sms: int, b: int, hk: int, rows: int, max_seq_len: int
-) -> tuple[int, int, int]:
-    """(rows per warp, row tiles, key splits) for a batch of b sequences of up to `rows` query rows
-    (tokens x GQA group) per kv head: split the keys only when the grid would not fill the chip
-    twice over, keeping at least 256 keys per split."""
-    r = 1 if rows <= 4 else 2 if rows <= 8 else 4
-    row_tiles = math.ceil(rows / (4 * r))
-    base = row_tiles * hk * b
-    splits = 1
-    if base < 2 * num_sms:
-        splits = max(1, min(math.ceil(2 * num_sms / base), math.ceil(max_seq_len / 256), 64))
-    return r, row_tiles, splits

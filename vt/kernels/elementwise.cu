@@ -59,7 +59,7 @@ extern "C" __global__ void head_rms_norm_k(const bf16_t* __restrict__ x, int x_s
     for (int c = lane * 8; c < d; c += 256) {
         float f[8];
         load8(xr + c, f);
-        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(f[e], f[e], ss);
     }
     ss = warp_sum(ss);
     const float inv = rsqrtf(ss / (float)d + eps);
@@ -67,9 +67,18 @@ extern "C" __global__ void head_rms_norm_k(const bf16_t* __restrict__ x, int x_s
         float f[8], g[8];
         load8(xr + c, f);
         load8(w + c, g);
-        for (int e = 0; e < 8; ++e) f[e] = f[e] * inv * g[e];
+        for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(__fmul_rn(f[e], inv), g[e]);
         store8(yr + c, f);
     }
+}
+
+// The neox rotation of the pair (x1, x2) = (x[i], x[i + d/2]), rounded step by step (no FMA
+// contraction) so that every kernel that rotates gets the same bits.
+__device__ __forceinline__ float rot_first(float x1, float x2, float c, float s) {
+    return __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rot_second(float x1, float x2, float c, float s) {
+    return __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
 // Neox RoPE in place on q and k (token-strided rows): pairs (i, i + d/2) rotate by
@@ -88,8 +97,8 @@ extern "C" __global__ void rope_k(bf16_t* __restrict__ q, int q_stride, bf16_t* 
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
         const float x1 = bf2f(row[i]), x2 = bf2f(row[i + half]);
-        row[i] = f2bf(x1 * c - x2 * s);
-        row[i + half] = f2bf(x2 * c + x1 * s);
+        row[i] = f2bf(rot_first(x1, x2, c, s));
+        row[i + half] = f2bf(rot_second(x1, x2, c, s));
     }
 }
 
@@ -109,6 +118,67 @@ extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride
         kd[c] = ks[c];
         vd[c] = vs[c];
     }
+}
+
+// The attention prologue in one launch (head_rms_norm of q and k, neox rope, write_kv), bit
+// for bit equal to head_rms_norm_k + rope_k + write_kv_k: the same sum order, and bf16 rounding
+// after the norm and after the rotation. One warp per head row of a token: rows 0..hq-1 are q
+// heads, then hk k heads, then hk v heads (copied to the cache). Lane l holds elements 8l..8l+7
+// (d <= 256, d % 16 == 0); the rotation partner of a lane is the lane d/16 away.
+extern "C" __global__ void qk_norm_rope_write_kv_k(
+    bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, const bf16_t* __restrict__ v,
+    int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,
+    const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache,
+    bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
+    int hk, int d) {
+    const int t = blockIdx.x;
+    const int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (t >= tokens || row >= hq + 2 * hk) return;
+    const long long slot = slot_mapping[t];
+    const bool cache = slot >= 0 && slot < num_slots;
+    const bool mine = lane * 8 < d;
+    if (row >= hq + hk) {  // v head: straight into the cache
+        const int h = row - hq - hk;
+        if (cache && mine)
+            *reinterpret_cast<uint4*>(v_cache + ((size_t)slot * hk + h) * d + lane * 8) =
+                *reinterpret_cast<const uint4*>(v + (size_t)t * v_stride + (size_t)h * d + lane * 8);
+        return;
+    }
+    const bool is_q = row < hq;
+    const int h = is_q ? row : row - hq;
+    bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
+    const bf16_t* w = is_q ? q_norm : k_norm;
+    float f[8];
+    if (mine) load8(xr + lane * 8, f);
+    else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+    if (w != nullptr) {
+        float ss = 0.f;
+        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(f[e], f[e], ss);
+        ss = warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)d + eps);
+        if (mine) {
+            float g[8];
+            load8(w + lane * 8, g);
+            for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(__fmul_rn(__fmul_rn(f[e], inv), g[e])));
+        }
+    }
+    const int half = d / 2, span = half / 8;
+    const bool first = lane * 8 < half;
+    const int partner = first ? lane + span : lane - span;
+    float other[8];
+    for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner & 31);
+    if (!mine) return;
+    const float pos = (float)positions[t];
+    float r[8];
+    for (int e = 0; e < 8; ++e) {
+        const int i = (first ? lane * 8 : lane * 8 - half) + e;
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        r[e] = first ? rot_first(f[e], other[e], c, s) : rot_second(other[e], f[e], c, s);
+    }
+    store8(xr + lane * 8, r);
+    if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + lane * 8, r);
 }
 
 // out[t, :] = silu(x[t, :inter]) * x[t, inter:]; one thread per 8 outputs.

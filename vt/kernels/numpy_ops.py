@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from vt.kernels.base import norm_rope_write_kv_unfused
+
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
 
@@ -95,6 +97,13 @@ class NumpyBackend:
             raise IndexError(f"slot {int(slots.max())} is outside the KV cache ({nb} blocks of {bs})")
         k_cache.reshape(nb * bs, hk, d)[slots] = k[keep]
         v_cache.reshape(nb * bs, hk, d)[slots] = v[keep]
+
+    def qk_norm_rope_write_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                              q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
+                              positions: np.ndarray, inv_freq: np.ndarray, k_cache: np.ndarray,
+                              v_cache: np.ndarray, slot_mapping: np.ndarray) -> None:
+        norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
+                                   v_cache, slot_mapping)
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,

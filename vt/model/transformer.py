@@ -114,11 +114,8 @@ class Transformer:
             q = qkv[:, :q_end].reshape(t, hq, d)
             k = qkv[:, q_end:k_end].reshape(t, hk, d)
             v = qkv[:, k_end:].reshape(t, hk, d)
-            if cfg.qk_norm:
-                q = ops.head_rms_norm(q, layer.q_norm, eps)
-                k = ops.head_rms_norm(k, layer.k_norm, eps)
-            ops.rope(q, k, batch.positions, self.inv_freq)
-            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions,
+                                      self.inv_freq, k_cache, v_cache, batch.slot_mapping)
             o = ops.attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                               batch.block_tables, self.scale, batch.max_query_len, batch.max_seq_len)
             x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)

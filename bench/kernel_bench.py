@@ -4,7 +4,7 @@ Each op runs N times inside one captured CUDA graph (outputs reuse one arena reg
 gaps stay out of the numbers; the median over several replays is reported. Floor = the bytes the
 op must read and write once, over the measured device-to-device copy bandwidth.
 
-    python3 bench/kernels.py [--batch 64] [--json out.json]
+    python3 bench/kernel_bench.py [--batch 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:38s} {r['us']:9.1f} {r['floor_us']:9.1f} {r['ratio']:8.2f}")
     print(
-        f"attention prefill T={pt}: {t * 1e6:.1f} us, {flops / t / 1e12:.1f} TFLOP/s (scalar fp32 FMA path)"
+        f"attention prefill T={pt}: {t * 1e6:.1f} us, {flops / t / 1e12:.1f} TFLOP/s"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,37 @@
+"""The launch rules of the CUDA attention: which kernel a batch gets, and key splits that fill
+the chip's last wave of blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vt.kernels.attention_plan import attention_kernel, key_splits
+
+
+def test_decode_rows_take_the_key_sharing_kernel_and_long_spans_the_prefill_one():
+    assert attention_kernel(4, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)
+    assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
+    assert attention_kernel(4, 5, 128)[:3] == ("attention_tc_d128_prefill", True, 1)  # 20 rows
+    assert attention_kernel(2, 1000, 64)[:3] == ("attention_tc_d64_prefill", True, 32)
+    name, tensor_cores, _, _ = attention_kernel(8, 3, 256)  # no tensor-core kernel for 256
+    assert (name, tensor_cores) == ("attention_r4", False)
+
+
+@pytest.mark.parametrize("blocks", [8, 256, 512, 1024, 2048, 3000])
+def test_splits_fill_the_last_wave_or_do_their_best(blocks):
+    resident = 396
+    s = key_splits(blocks, resident, 40960)
+    waves = blocks * s / resident
+    fill = waves / math.ceil(waves)
+    better = [t for t in range(1, s) if (w := blocks * t / resident) / math.ceil(w) >= 0.9]
+    assert not better  # no fewer splits already fill the last wave
+    assert fill >= 0.9 or s == 64
+
+
+def test_splits_keep_256_keys_each_and_leave_full_grids_alone():
+    assert key_splits(8, 396, 512) == 2  # at most ceil(512 / 256) splits
+    assert key_splits(8, 396, 100) == 1
+    assert key_splits(8 * 396, 396, 40960) == 1
+    assert key_splits(512, 396, 40960) == 3  # 1.29 waves -> 3.88 waves

@@ -1,0 +1,108 @@
+"""bench/prefill.py and bench/peer_transformers.py run on CPU and report sane figures."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from unittest import mock
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH = REPO_ROOT / "bench"
+
+
+def run_script(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          cwd=str(REPO_ROOT), env=env, timeout=timeout)
+
+
+def load_script(name: str) -> ModuleType:
+    """A bench script as a module, loaded by path (the bench folder stays off sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefill_tiny_numpy_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "prefill.json"
+    proc = run_script("prefill.py", "--preset", "tiny", "--device", "numpy", "--prompt-lens", "64,256",
+                      "--tokens", "256", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(table) == 2 and proc.stdout.startswith("| preset | prompt len |")
+    rows = json.loads(out.read_text())
+    assert [(r["prompt_len"], r["seqs"], r["tokens"]) for r in rows] == [(64, 4, 256), (256, 1, 256)]
+    for r in rows:
+        assert r["preset"] == "tiny"
+        assert r["ms"] > 0 and r["ms_two_deep"] > 0 and r["tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (r["ms"] / 1e3))
+        assert 0 < r["of_ceiling"] < 1
+        assert r["of_ceiling"] == pytest.approx(r["tflops"] / 790.0)
+
+
+def test_prefill_flops_count_matmuls_lm_head_and_causal_pairs() -> None:
+    from vt.config import ModelConfig
+
+    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):  # prefill imports decode_step
+        prefill = load_script("prefill")
+    mc = ModelConfig.from_dict(dict(prefill.PRESETS["0.6b"], architectures=["Qwen3ForCausalLM"],
+                                    max_position_embeddings=40960))
+    h, i, q, kv, layers, vocab = 1024, 3072, 16 * 128, 8 * 128, 28, 151936
+    params = layers * (h * (q + 2 * kv) + q * h + 2 * h * i + i * h)
+    assert prefill.shape_of(1024, 8192) == (8, 8192) and prefill.shape_of(8192, 8192) == (1, 8192)
+    assert prefill.shape_of(4096, 1000) == (1, 4096)
+    pairs = 8 * 1024 * 1025 // 2
+    expect = 2 * params * 8192 + 2 * h * vocab * 8 + 4 * 16 * 128 * pairs * layers
+    assert prefill.prefill_flops(mc, 1024, 8) == pytest.approx(expect)
+
+
+@pytest.fixture(scope="module")
+def peer_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both modes of the peer script in one in-process run (torch is imported once per session
+    anyway) on a tiny checkpoint."""
+    for mod in ("torch", "transformers"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed")
+    from vt.model.make_model import make_model
+
+    tmp = tmp_path_factory.mktemp("peer")
+    model, out = make_model(tmp / "tiny", preset="tiny"), tmp / "peer.json"
+    argv = ["peer_transformers.py", "--model", str(model), "--device", "cpu", "--mode", "both",
+            "--batch", "3", "--input-len", "8", "--output-len", "5", "--json", str(out)]
+    stdout = io.StringIO()
+    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(stdout):
+        load_script("peer_transformers").main()
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["batch"] == 3 and data["output_len"] == 5
+    assert list(data["modes"]) == ["generate", "generate_batch"]
+    for mode in data["modes"]:
+        assert stdout.getvalue().count(f"transformers.{mode}:") == 1
+    return data["modes"]
+
+
+def test_peer_generate_on_cpu_counts_exact_lengths(peer_cpu: dict) -> None:
+    res = peer_cpu["generate"]
+    assert res["ok"] and res["exact_lengths"]
+    assert res["output_tokens"] == 3 * 5 and res["min_len"] == res["max_len"] == 5
+    assert res["output_tok_per_s"] > 0 and res["seconds"] > 0
+
+
+def test_peer_generate_batch_gives_figures_or_a_one_line_reason(peer_cpu: dict) -> None:
+    res = peer_cpu["generate_batch"]
+    if not res["ok"]:
+        assert res["error"] and "\n" not in res["error"]
+        return
+    assert res["exact_lengths"] and res["output_tokens"] == 3 * 5
+    assert res["output_tok_per_s"] > 0 and 0 < res["seconds"] <= res["call_seconds"]

@@ -1,0 +1,50 @@
+"""Which attention kernel a batch runs and how its keys are split across blocks (no CuPy here,
+so the rules are testable anywhere)."""
+
+from __future__ import annotations
+
+import math
+
+TC_HEAD_DIMS = (64, 128)  # head dims with a tensor-core kernel (attention_tc.cu)
+TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
+
+
+def tc_smem(d: int, stages: int) -> int:
+    """Dynamic shared memory of a tensor-core attention block: `stages` 64-key K and V tiles
+    (rows padded by 8 elements) and their block ids."""
+    return stages * (2 * 64 * (d + 8) * 2 + 64 * 4)
+
+
+def attention_kernel(group: int, max_query_len: int, d: int) -> tuple[str, bool, int, int]:
+    """(kernel, tensor cores?, row tiles, dynamic smem bytes) for sequences of up to max_query_len
+    tokens, rows = tokens x GQA group per kv head. Head dims 64 and 128 run on tensor cores:
+    16-row tiles whose four warps share out the keys when every sequence has at most 16 rows
+    (decode), 64-row tiles otherwise."""
+    rows = max_query_len * group
+    if d in TC_HEAD_DIMS:
+        decode = rows <= 16
+        smem = tc_smem(d, TC_STAGES)
+        kernel = f"attention_tc_d{d}_{'decode' if decode else 'prefill'}"
+        return kernel, True, -(-rows // (16 if decode else 64)), smem
+    r = 1 if rows <= 4 else 2 if rows <= 8 else 4
+    half = d // 2
+    smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
+    return f"attention_r{r}", False, -(-rows // (4 * r)), smem
+
+
+def key_splits(blocks: int, resident: int, max_seq_len: int) -> int:
+    """Key splits per (row tile, kv head, sequence): blocks of equal work run in waves of
+    `resident`, so a grid of 1.3 waves costs 2. Take the fewest splits whose grid fills its last
+    wave to 90%, else the best filling one, keeping at least 256 keys per split."""
+    most = max(1, min(64, -(-max_seq_len // 256)))
+    if blocks >= 8 * resident:
+        return 1
+    best, best_fill = 1, 0.0
+    for s in range(1, most + 1):
+        waves = blocks * s / resident
+        fill = waves / math.ceil(waves)
+        if fill >= 0.9:
+            return s
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best

@@ -1,0 +1,326 @@
+// Paged causal attention on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) for head
+// dims 64 and 128: the same ragged-batch contract as attention.cu, which keeps the other sizes.
+//
+// Grid: x = tiles of 16 * RW query rows, y = kv head, z = sequence * num_splits. Rows are
+// (token j, GQA head g) pairs, row = j * G + g, so one kv head's K/V tile serves its whole group.
+// A block has 4 warps = RW row warps x KW key warps. Prefill (RW 4, KW 1): each warp owns 16 rows
+// and every key. Decode (RW 1, KW 4): one 16-row tile (G valid rows) and each warp a quarter of
+// every key tile, merged through shared memory at the end, so all four warps stream keys.
+// Key tiles of 64 are double buffered with cp.async: the next tile is in flight while the
+// current one is multiplied, which is what keeps decode at the HBM rate.
+// Scores live in the log2 domain (scale * log2 e) with an online softmax in fp32; P is rounded
+// to bf16 for the P.V product. Split partials (o, m, l) use attention_combine_k's layout.
+
+#define TC_KT 64
+// TC_STAGES (key tiles in flight per block) is defined by cuda_ops from attention_plan.TC_STAGES,
+// which also sizes the shared memory.
+
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte global -> shared copy; zero-fills when !pred (src must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned int* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned int* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, round to nearest even, first in the low half (hardware convert).
+__device__ __forceinline__ unsigned int pack2_rn(float lo, float hi) {
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <int D, int RW, int KW, int STAGES>
+__device__ __forceinline__ void attention_tc_body(
+    const bf16_t* __restrict__ q, int q_stride, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ query_start_loc,
+    const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits) {
+    constexpr int SROW = D + 8;           // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
+    constexpr int WK = TC_KT / KW;        // keys per warp per tile
+    constexpr int NS = WK / 8;            // score n-tiles per warp
+    constexpr int DK = D / 16;            // k-steps over the head dim
+    constexpr int DN = D / 8;             // output n-tiles
+    constexpr int CHUNKS = TC_KT * D / 8; // 16-byte pieces per K (or V) tile
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);  // [STAGES][K|V][TC_KT][SROW]
+
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 16 * RW, TC_KT);
+    if (ab.row0 >= ab.nrows) return;
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    const int tile0 = ab.tile0, tile1 = ab.tile1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rw = warp / KW, kw = warp % KW;
+    const int g = lane >> 2, c = lane & 3;
+
+    // This thread's two rows (g and g + 8 of the warp's 16) and their key limits.
+    const int wr0 = row0 + rw * 16;
+    const int ra = wr0 + g, rb = wr0 + g + 8;
+    const int pos_a = ra < nrows ? ctx - qlen + ra / group : -1;
+    const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
+    const int wlast = min(wr0 + 15, nrows - 1);
+    const int warp_pos = wlast >= wr0 ? ctx - qlen + wlast / group : -1;
+
+    // Cache block ids of each tile's keys, staged in shared memory a tile before its copies are
+    // issued, so that issuing never waits on a block-table read. Slot = tile % STAGES.
+    int* ids_s = reinterpret_cast<int*>(smem + (size_t)STAGES * 2 * TC_KT * SROW * sizeof(bf16_t));
+    auto fetch_ids = [&](int tile) {
+        if (threadIdx.x < TC_KT && tile < tile1) {
+            const int kpos = tile * TC_KT + threadIdx.x;
+            ids_s[(tile % STAGES) * TC_KT + threadIdx.x] =
+                kpos < kv_end ? block_tables[(size_t)b * max_blocks + kpos / block_size] : -1;
+        }
+    };
+    auto load_tile = [&](int tile, int stage) {
+        bf16_t* ks = kv_s + (size_t)stage * 2 * TC_KT * SROW;
+        bf16_t* vs = ks + TC_KT * SROW;
+#pragma unroll
+        for (int i = 0; i < CHUNKS / 128; ++i) {
+            const int e = threadIdx.x + 128 * i;
+            const int tok = e / (D / 8), part = e % (D / 8);
+            const int kpos = tile * TC_KT + tok;
+            const int blk = ids_s[(tile % STAGES) * TC_KT + tok];
+            const bool ok = blk >= 0;
+            const size_t base = ok ? (((size_t)blk * block_size + kpos % block_size) * hk + kh) * D + part * 8 : 0;
+            cp_async16(ks + tok * SROW + part * 8, k_cache + base, ok);
+            cp_async16(vs + tok * SROW + part * 8, v_cache + base, ok);
+        }
+    };
+
+    // The first STAGES - 1 tiles go out before the Q reads so that their latencies overlap. Every
+    // step commits one copy group, empty or not, so "all but the newest STAGES - 2 groups done"
+    // always means "the current tile has landed".
+    for (int i = 0; i < STAGES; ++i) fetch_ids(tile0 + i);
+    __syncthreads();
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (tile0 + i < tile1) load_tile(tile0 + i, i);
+        cp_async_commit();
+    }
+
+    // Q fragments (A operand, row major), straight from global memory.
+    unsigned int qa[DK][4];
+    {
+        const bf16_t* pa = q + (size_t)(q0 + ra / group) * q_stride + (size_t)(kh * group + ra % group) * D;
+        const bf16_t* pb = q + (size_t)(q0 + rb / group) * q_stride + (size_t)(kh * group + rb % group) * D;
+#pragma unroll
+        for (int ks = 0; ks < DK; ++ks) {
+            const int col = ks * 16 + 2 * c;
+            qa[ks][0] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col) : 0u;
+            qa[ks][1] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col) : 0u;
+            qa[ks][2] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col + 8) : 0u;
+            qa[ks][3] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col + 8) : 0u;
+        }
+    }
+
+    float o[DN][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
+
+    for (int tile = tile0; tile < tile1; ++tile) {
+        const int stage = (tile - tile0) % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this tile landed for every thread; the stage refilled below is free
+        {
+            const int next = tile + STAGES - 1;  // into the stage the previous step consumed
+            if (next < tile1) load_tile(next, (next - tile0) % STAGES);
+            cp_async_commit();
+            fetch_ids(next + 1);  // its slot held the ids of `tile`, issued steps ago
+        }
+        const int kbase = tile * TC_KT + kw * WK;  // first key of this warp's slice
+        if (kbase <= warp_pos) {
+            const bf16_t* ks = kv_s + (size_t)stage * 2 * TC_KT * SROW + kw * WK * SROW;
+            const bf16_t* vs = ks + TC_KT * SROW;
+            // S = Q K^T over this warp's WK keys.
+            float s[NS][4];
+#pragma unroll
+            for (int n = 0; n < NS; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
+            const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+            for (int ks_i = 0; ks_i < DK; ++ks_i) {
+#pragma unroll
+                for (int n = 0; n < NS; n += 2) {
+                    unsigned int kb[4];
+                    ldsm_x4(kb, ks + (n * 8 + (mi >> 1) * 8 + mr) * SROW + ks_i * 16 + (mi & 1) * 8);
+                    mma_bf16(s[n], qa[ks_i], kb[0], kb[1]);
+                    mma_bf16(s[n + 1], qa[ks_i], kb[2], kb[3]);
+                }
+            }
+            // Mask, then the online softmax update of rows a (c0, c1) and b (c2, c3).
+            float mx_a = -VT_INF, mx_b = -VT_INF;
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                const int k0 = kbase + n * 8 + 2 * c;
+                s[n][0] = k0 <= pos_a ? s[n][0] * scale_log2 : -VT_INF;
+                s[n][1] = k0 + 1 <= pos_a ? s[n][1] * scale_log2 : -VT_INF;
+                s[n][2] = k0 <= pos_b ? s[n][2] * scale_log2 : -VT_INF;
+                s[n][3] = k0 + 1 <= pos_b ? s[n][3] * scale_log2 : -VT_INF;
+                mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+                mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+            }
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+            const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+            // A row with no visible key yet keeps m = -inf: use 0 as the base so exp2 gives 0, not NaN.
+            const float base_a = mn_a == -VT_INF ? 0.f : mn_a, base_b = mn_b == -VT_INF ? 0.f : mn_b;
+            const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+            m_a = mn_a;
+            m_b = mn_b;
+            float sum_a = 0.f, sum_b = 0.f;
+            unsigned int pa[NS][2];
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
+                const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
+                sum_a += p0 + p1;
+                sum_b += p2 + p3;
+                pa[n][0] = pack2_rn(p0, p1);
+                pa[n][1] = pack2_rn(p2, p3);
+            }
+            l_a = l_a * corr_a + sum_a;
+            l_b = l_b * corr_b + sum_b;
+#pragma unroll
+            for (int n = 0; n < DN; ++n) {
+                o[n][0] *= corr_a; o[n][1] *= corr_a; o[n][2] *= corr_b; o[n][3] *= corr_b;
+            }
+            // O += P V: P's score fragments are already the A fragments of k-steps of 16 keys.
+#pragma unroll
+            for (int kk = 0; kk < NS / 2; ++kk) {
+                const unsigned int a[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0], pa[2 * kk + 1][1]};
+#pragma unroll
+                for (int n = 0; n < DN; n += 2) {
+                    unsigned int vb[4];
+                    ldsm_x4_t(vb, vs + (kk * 16 + (mi & 1) * 8 + mr) * SROW + n * 8 + (mi >> 1) * 8);
+                    mma_bf16(o[n], a, vb[0], vb[1]);
+                    mma_bf16(o[n + 1], a, vb[2], vb[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages before they are reused below
+
+    // Row sums were kept per thread; the four threads of a quad share a row.
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+
+    if constexpr (KW > 1) {
+        // Merge the key warps: each leaves (m, l, o) of its 16 rows in shared memory.
+        float* red_o = reinterpret_cast<float*>(smem);       // [KW][16][D]
+        float* red_ml = red_o + KW * 16 * D;                 // [KW][16][2]
+        float* wo = red_o + kw * 16 * D;
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+            const int col = n * 8 + 2 * c;
+            wo[g * D + col] = o[n][0];
+            wo[g * D + col + 1] = o[n][1];
+            wo[(g + 8) * D + col] = o[n][2];
+            wo[(g + 8) * D + col + 1] = o[n][3];
+        }
+        if (c == 0) {
+            red_ml[(kw * 16 + g) * 2] = m_a;
+            red_ml[(kw * 16 + g) * 2 + 1] = l_a;
+            red_ml[(kw * 16 + g + 8) * 2] = m_b;
+            red_ml[(kw * 16 + g + 8) * 2 + 1] = l_b;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < 16 * (D / 2); e += blockDim.x) {
+            const int lr = e / (D / 2), p = e % (D / 2), r = row0 + lr;
+            if (r >= nrows) continue;
+            float mm = -VT_INF;
+#pragma unroll
+            for (int w = 0; w < KW; ++w) mm = fmaxf(mm, red_ml[(w * 16 + lr) * 2]);
+            float ll = 0.f, x0 = 0.f, x1 = 0.f;
+            if (mm > -VT_INF) {
+#pragma unroll
+                for (int w = 0; w < KW; ++w) {
+                    const float mw = red_ml[(w * 16 + lr) * 2];
+                    if (mw == -VT_INF) continue;
+                    const float wt = exp2f(mw - mm);
+                    ll += wt * red_ml[(w * 16 + lr) * 2 + 1];
+                    x0 += wt * red_o[(w * 16 + lr) * D + 2 * p];
+                    x1 += wt * red_o[(w * 16 + lr) * D + 2 * p + 1];
+                }
+            }
+            const int t = q0 + r / group, h = kh * group + r % group;
+            if (num_splits == 1) {
+                const float inv = ll > 0.f ? 1.f / ll : 0.f;
+                reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D)[p] = pack2(x0 * inv, x1 * inv);
+            } else {
+                const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
+                reinterpret_cast<float2*>(part_o + prow * D)[p] = make_float2(x0, x1);
+                if (p == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int half_i = 0; half_i < 2; ++half_i) {
+            const int r = half_i ? rb : ra;
+            if (r >= nrows) continue;
+            const float mm = half_i ? m_b : m_a, ll = half_i ? l_b : l_a;
+            const int t = q0 + r / group, h = kh * group + r % group;
+            if (num_splits == 1) {
+                const float inv = ll > 0.f ? 1.f / ll : 0.f;
+                unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D);
+#pragma unroll
+                for (int n = 0; n < DN; ++n)
+                    orow[n * 4 + c] = pack2(o[n][2 * half_i] * inv, o[n][2 * half_i + 1] * inv);
+            } else {
+                const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
+                float2* po = reinterpret_cast<float2*>(part_o + prow * D);
+#pragma unroll
+                for (int n = 0; n < DN; ++n) po[n * 4 + c] = make_float2(o[n][2 * half_i], o[n][2 * half_i + 1]);
+                if (c == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
+            }
+        }
+    }
+}
+
+#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                                               \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
+        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
+        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int block_size,    \
+        float scale_log2, int num_splits) {                                                              \
+        attention_tc_body<D, RW, KW, STAGES>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens,           \
+                                     block_tables, max_blocks, out, part_o, part_ml, total_tokens, hq,   \
+                                     hk, block_size, scale_log2, num_splits);                            \
+    }
+
+ATTENTION_TC_ENTRY(attention_tc_d64_prefill, 64, 4, 1, TC_STAGES)
+ATTENTION_TC_ENTRY(attention_tc_d64_decode, 64, 1, 4, TC_STAGES)
+ATTENTION_TC_ENTRY(attention_tc_d128_prefill, 128, 4, 1, TC_STAGES)
+ATTENTION_TC_ENTRY(attention_tc_d128_decode, 128, 1, 4, TC_STAGES)
