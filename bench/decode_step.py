@@ -63,7 +63,9 @@ class RandomWeights(Mapping):
         return len(self.shapes)
 
 
-def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda"):
+def random_runner(preset: str, device: str, max_model_len: int, **engine: object):
+    """A ModelRunner of the preset's shape with random weights instead of a checkpoint;
+    `engine` holds the EngineConfig fields that size it."""
     import vt.runner as runner_mod
     from vt.config import EngineConfig, ModelConfig
     from vt.kernels import get_backend
@@ -73,17 +75,21 @@ def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, 
     write_config(folder, preset)
     mc = ModelConfig.from_dir(folder)
     weights = RandomWeights(dict(expected_shapes(mc)))
-    blocks = max_seqs * blocks_per_seq(context) + 16
-    ec = EngineConfig(model=str(folder), device=device, max_num_seqs=max_seqs,
-                      max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
-                      enforce_eager=enforce_eager, max_model_len=16 * blocks_per_seq(context))
+    ec = EngineConfig(model=str(folder), device=device, max_model_len=max_model_len, **engine)
     original = runner_mod.load_weights
     runner_mod.load_weights = lambda *_: weights
     try:
-        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), 16 * blocks_per_seq(context))
+        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), max_model_len)
     finally:
         runner_mod.load_weights = original
     return runner, mc
+
+
+def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda"):
+    blocks = max_seqs * blocks_per_seq(context) + 16
+    return random_runner(preset, device, 16 * blocks_per_seq(context), max_num_seqs=max_seqs,
+                         max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
+                         enforce_eager=enforce_eager)
 
 
 def blocks_per_seq(context: int, steps: int = STEPS_MAX) -> int:

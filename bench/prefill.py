@@ -16,19 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
-from decode_step import PRESETS, RandomWeights, write_config  # also puts the checkout on sys.path
+from decode_step import PRESETS, random_runner  # also puts the checkout on sys.path
 
 import vt.runner as runner_mod
-from vt.config import EngineConfig, ModelConfig
-from vt.kernels import get_backend
-from vt.model.loader import expected_shapes
+from vt.config import ModelConfig
 from vt.sampling import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
@@ -69,18 +65,9 @@ def prefill_flops(mc: ModelConfig, prompt_len: int, seqs: int) -> float:
 def build_prefill_runner(preset: str, max_seqs: int, max_tokens: int, max_len: int,
                          device: str) -> tuple[runner_mod.ModelRunner, ModelConfig]:
     """A ModelRunner sized for the largest step, with random weights instead of a checkpoint."""
-    folder = Path(tempfile.mkdtemp())
-    write_config(folder, preset)
-    mc = ModelConfig.from_dir(folder)
-    model_len = -(-max_len // BLOCK) * BLOCK
-    ec = EngineConfig(model=str(folder), device=device, max_num_seqs=max_seqs,
-                      max_num_batched_tokens=max_tokens, block_size=BLOCK,
-                      num_gpu_blocks=max_tokens // BLOCK + max_seqs + 1, enforce_eager=True,
-                      max_model_len=model_len)
-    weights = RandomWeights(dict(expected_shapes(mc)))
-    with mock.patch.object(runner_mod, "load_weights", lambda *_: weights):
-        runner = runner_mod.ModelRunner(mc, ec, get_backend(device), model_len)
-    return runner, mc
+    return random_runner(preset, device, -(-max_len // BLOCK) * BLOCK, max_num_seqs=max_seqs,
+                         max_num_batched_tokens=max_tokens, block_size=BLOCK,
+                         num_gpu_blocks=max_tokens // BLOCK + max_seqs + 1, enforce_eager=True)
 
 
 def prefill_batch(prompt_len: int, seqs: int, vocab: int, seed: int = 0) -> ScheduledBatch:

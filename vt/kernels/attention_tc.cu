@@ -6,8 +6,8 @@
 // A block has 4 warps = RW row warps x KW key warps. Prefill (RW 4, KW 1): each warp owns 16 rows
 // and every key. Decode (RW 1, KW 4): one 16-row tile (G valid rows) and each warp a quarter of
 // every key tile, merged through shared memory at the end, so all four warps stream keys.
-// Key tiles of 64 are double buffered with cp.async: the next tile is in flight while the
-// current one is multiplied, which is what keeps decode at the HBM rate.
+// Key tiles of 64 arrive by cp.async, TC_STAGES of them in flight per block: the next tiles load
+// while the current one is multiplied, which is what keeps decode near the HBM rate.
 // Scores live in the log2 domain (scale * log2 e) with an online softmax in fp32; P is rounded
 // to bf16 for the P.V product. Split partials (o, m, l) use attention_combine_k's layout.
 
@@ -309,15 +309,15 @@ __device__ __forceinline__ void attention_tc_body(
     }
 }
 
-#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                                               \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
-        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
-        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int block_size,    \
-        float scale_log2, int num_splits) {                                                              \
-        attention_tc_body<D, RW, KW, STAGES>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens,           \
-                                     block_tables, max_blocks, out, part_o, part_ml, total_tokens, hq,   \
-                                     hk, block_size, scale_log2, num_splits);                            \
+#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                                           \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                   \
+        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                          \
+        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,             \
+        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int block_size,         \
+        float scale_log2, int num_splits) {                                                                   \
+        attention_tc_body<D, RW, KW, STAGES>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens,        \
+                                     block_tables, max_blocks, out, part_o, part_ml, total_tokens, hq,        \
+                                     hk, block_size, scale_log2, num_splits);                                 \
     }
 
 ATTENTION_TC_ENTRY(attention_tc_d64_prefill, 64, 4, 1, TC_STAGES)

@@ -109,7 +109,7 @@ class CudaBackend:
         self._kernels = self._compile()
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int], int] = {}
-        for d in TC_HEAD_DIMS:  # queried now: the driver is not asked while a graph is captured
+        for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
             for q_len in (1, 64):
                 kernel, _, _, smem = attention_kernel(1, q_len, d)
                 self._resident_blocks(kernel, smem)
