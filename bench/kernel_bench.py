@@ -144,6 +144,12 @@ def main() -> None:
         ("rope q,k", lambda: be.rope(q, k, pos, inv_freq), 2 * B * (Hq + Hk) * D * a2),
         ("write_kv", lambda: be.write_kv(k, v, kc, vc, slots), 4 * B * Hk * D * a2),
         (
+            "qk_norm_rope_write_kv (fused)",
+            lambda: be.qk_norm_rope_write_kv(q, k, v, norm_w[:D], norm_w[:D], 1e-6, pos, inv_freq,
+                                             kc, vc, slots),
+            (2 * B * (Hq + Hk) * D + 3 * B * Hk * D) * a2,
+        ),
+        (
             f"attention decode B={B} ctx={ctx}",
             lambda: be.attention(q, kc, vc, qsl, seq_lens, table, D**-0.5, 1, ctx),
             kv_bytes + 2 * B * Hq * D * a2,

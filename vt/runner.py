@@ -50,6 +50,11 @@ class StepOutput:
     done_time: float
 
 
+_ROW_PARAM_FIELDS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
+                     ("min_p", np.float32), ("seeds", np.int64), ("presence", np.float32),
+                     ("frequency", np.float32), ("repetition", np.float32))
+
+
 @dataclass
 class _Row:
     index: int
@@ -163,6 +168,9 @@ class ModelRunner:
         ops.ensure_workspace(self._workspace_bytes())
         self.rows: dict[str, _Row] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
+        # Sampling parameters by sampler row, set at admission: a step gathers its rows' values
+        # with one indexed copy per field instead of per-sequence scalar stores.
+        self.row_params = {name: np.zeros(rows, dt) for name, dt in _ROW_PARAM_FIELDS}
         self.step_id = 0
         self.prev_slot: int | None = None
         # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
@@ -199,14 +207,14 @@ class ModelRunner:
         return int(blocks)
 
     def _workspace_bytes(self) -> int:
-        """One step's arena: one layer's activations (the forward rewinds per layer), the logits
-        and sampler temporaries, and slack for attention's split-key partials."""
+        """One step's arena: two layers' activations (the forward alternates two regions), the
+        logits and sampler temporaries, and slack for attention's split-key partials."""
         mc = self.model_cfg
         q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, \
             mc.intermediate_size
         per_token = 2 * ((q + 2 * kv) + q + kv + q + 7 * h + 3 * i)
         logits = 4 * self.max_seqs * mc.vocab_size * 4
-        return self.max_tokens * per_token + logits + (256 << 20)
+        return 2 * self.max_tokens * per_token + logits + (256 << 20)
 
     # ---- rows ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
@@ -222,6 +230,11 @@ class ModelRunner:
         penalized = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0)
         row = _Row(self.free_rows.pop(), p, eos_ids, penalized)
         self.rows[request_id] = row
+        values = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
+                  np.uint64(p.seed if p.seed is not None else 0).astype(np.int64), p.presence_penalty,
+                  p.frequency_penalty, p.repetition_penalty)
+        for (name, _), value in zip(_ROW_PARAM_FIELDS, values, strict=True):
+            self.row_params[name][row.index] = value
         return row
 
     def _init_penalty_row(self, row: _Row, new: Any) -> None:
@@ -265,8 +278,20 @@ class ModelRunner:
         bt_h = buf.block_tables[0][: nseq * mb].reshape(nseq, mb)
         bt_h.fill(0)
         ban_h = buf.ban[0][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED)
+        ban_h.fill(-1)
+        # Per-token and per-sequence values go to Python lists first and into the pinned buffers
+        # with one store per field: per-element numpy stores cost more than the rest of a step's
+        # host work at a few hundred sequences.
+        ids: list[int] = []
+        src: list[int] = []
+        pos_l: list[int] = []
+        slots_l: list[int] = []
+        ends: list[int] = []
+        lens: list[int] = []
+        row_idx: list[int] = []
+        offsets: list[int] = []
+        sample_rows: list[int] = []
         t = 0
-        qsl_h[0] = 0
         for b, s in enumerate(seqs):
             if s.new is not None:
                 row = self._admit(s.request_id, s.new, eos_for(s.request_id))
@@ -275,37 +300,32 @@ class ModelRunner:
                     penalty_inits.append((row, s.new))
             else:
                 row = self.rows[s.request_id]
-            n = s.num_tokens
-            if n != 1:  # one-token decodes graph whether their input is known or from_last
+            n, p0, blocks = s.num_tokens, s.start_pos, s.block_ids
+            if n == 1:
+                if s.from_last:
+                    ids.append(0)
+                    src.append(row.index)
+                else:
+                    ids.extend(s.token_ids)
+                    src.append(-1)
+                pos_l.append(p0)
+                slots_l.append(blocks[p0 // bs] * bs + p0 % bs)
+            else:  # one-token decodes graph whether their input is known or from_last
                 decode_only = False
-            if s.from_last:
-                ids_h[t] = 0
-                src_h[t] = row.index
-            else:
-                ids_h[t:t + n] = s.token_ids
-                src_h[t:t + n] = -1
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            pos_h[t:t + n] = pos
-            blocks = np.asarray(s.block_ids, dtype=np.int32)
-            slot_h[t:t + n] = blocks[pos // bs] * bs + pos % bs
+                ids.extend(s.token_ids)
+                src.extend([-1] * n)
+                pos = np.arange(p0, p0 + n, dtype=np.int32)
+                pos_l.extend(pos.tolist())
+                slots_l.extend((np.asarray(blocks, dtype=np.int32)[pos // bs] * bs + pos % bs).tolist())
             bt_h[b, : len(blocks)] = blocks
             t += n
-            qsl_h[b + 1] = t
-            lens_h[b] = s.start_pos + n
-            li_h[b] = t - 1
+            ends.append(t)
+            lens.append(p0 + n)
+            row_idx.append(row.index)
+            offsets.append(s.output_index)
             p = row.params
-            buf.temperature[0][b] = p.temperature
-            buf.top_k[0][b] = p.top_k if p.top_k > 0 else 0
-            buf.top_p[0][b] = p.top_p
-            buf.min_p[0][b] = p.min_p
-            buf.seeds[0][b] = np.uint64(p.seed if p.seed is not None else 0).astype(np.int64)
-            buf.offsets[0][b] = s.output_index
-            buf.presence[0][b] = p.presence_penalty
-            buf.frequency[0][b] = p.frequency_penalty
-            buf.repetition[0][b] = p.repetition_penalty
-            ban_h[b].fill(-1)
             if s.sample:
-                buf.sample_rows[0][b] = row.index
+                sample_rows.append(row.index)
                 sample_req.append((b, s.request_id))
                 if p.logprobs is not None:
                     logprobs_k = max(logprobs_k, p.logprobs, 1)
@@ -315,7 +335,21 @@ class ModelRunner:
                     ban_h[b, : len(banned)] = banned
                     any_ban = True
             else:
-                buf.sample_rows[0][b] = -1
+                sample_rows.append(-1)
+        ids_h[:t] = ids
+        src_h[:t] = src
+        pos_h[:t] = pos_l
+        slot_h[:t] = slots_l
+        qsl_h[0] = 0
+        qsl_h[1: nseq + 1] = ends
+        lens_h[:nseq] = lens
+        li_h[:nseq] = ends
+        li_h[:nseq] -= 1
+        buf.offsets[0][:nseq] = offsets
+        buf.sample_rows[0][:nseq] = sample_rows
+        idx = np.asarray(row_idx, dtype=np.intp)
+        for name, _ in _ROW_PARAM_FIELDS:
+            np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
         plan = _Plan(sample_req, logprobs_k)
         # decode_only already excludes admissions, hence rows that need a penalty setup.
         graph_ok = self.use_graphs and decode_only and not any_penalty and not any_ban and logprobs_k == 0

@@ -296,6 +296,10 @@ def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs, extra_blocks=3):
         ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # many row and key tiles, chunked prefill
         ([4, 1, 2], [30, 100, 70], 16, 4, 128),  # short query spans through the 16-row decode tiles
         ([1] * 3, [64, 65, 128], 16, 8, 64),  # key counts on and just past tile edges, head dim 64
+        ([1] * 5, [1, 15, 16, 17, 2500], 64, 8, 128),  # group 8 fills the 8-row transposed tiles
+        ([3, 4, 1, 2], [40, 130, 77, 2], 4, 2, 128),  # several tokens per 8-row tile, causal inside
+        ([1, 1, 1], [100, 1, 300], 4, 4, 64),  # no GQA: one row per transposed tile
+        ([1] * 2, [9000, 33], 8, 1, 128),  # MQA, group 8, long context: split keys
     ],
 )
 def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):

@@ -7,16 +7,22 @@ import math
 
 import pytest
 
-from vt.kernels.attention_plan import attention_kernel, key_splits
+from vt.kernels.attention_plan import TC_MAX_CACHE_ELEMS, attention_kernel, key_splits
 
 
-def test_decode_rows_take_the_key_sharing_kernel_and_long_spans_the_prefill_one():
-    assert attention_kernel(4, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)
+def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one():
+    assert attention_kernel(4, 1, 128)[:3] == ("attention_tc_d128_decode8", True, 1)
+    assert attention_kernel(8, 1, 64)[:3] == ("attention_tc_d64_decode8", True, 1)  # 8 rows
+    assert attention_kernel(2, 4, 128)[:3] == ("attention_tc_d128_decode8", True, 1)  # 4 tokens x 2
+    assert attention_kernel(16, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 5, 128)[:3] == ("attention_tc_d128_prefill", True, 1)  # 20 rows
     assert attention_kernel(2, 1000, 64)[:3] == ("attention_tc_d64_prefill", True, 32)
     name, tensor_cores, _, _ = attention_kernel(8, 3, 256)  # no tensor-core kernel for 256
     assert (name, tensor_cores) == ("attention_r4", False)
+    # a cache past the tensor-core kernels' 32-bit offsets (16-byte units) takes the CUDA cores
+    assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS - 8)[0] == "attention_tc_d128_decode8"
+    assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS)[:2] == ("attention_r1", False)
 
 
 @pytest.mark.parametrize("blocks", [8, 256, 512, 1024, 2048, 3000])

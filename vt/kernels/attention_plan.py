@@ -11,19 +11,26 @@ TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
 
 def tc_smem(d: int, stages: int) -> int:
     """Dynamic shared memory of a tensor-core attention block: `stages` 64-key K and V tiles
-    (rows padded by 8 elements) and their block ids."""
+    (rows padded by 8 elements) and their cache row offsets."""
     return stages * (2 * 64 * (d + 8) * 2 + 64 * 4)
 
 
-def attention_kernel(group: int, max_query_len: int, d: int) -> tuple[str, bool, int, int]:
+TC_MAX_CACHE_ELEMS = 8 * 0xFFFFFFFF  # the tensor-core kernels address the cache in 32-bit 16-byte units
+
+
+def attention_kernel(group: int, max_query_len: int, d: int,
+                     cache_elems: int = 0) -> tuple[str, bool, int, int]:
     """(kernel, tensor cores?, row tiles, dynamic smem bytes) for sequences of up to max_query_len
     tokens, rows = tokens x GQA group per kv head. Head dims 64 and 128 run on tensor cores:
-    16-row tiles whose four warps share out the keys when every sequence has at most 16 rows
-    (decode), 64-row tiles otherwise."""
+    8-row transposed tiles when every sequence has at most 8 rows (decode with groups up to 8),
+    16-row tiles up to 16 rows, both with four warps sharing out the keys; 64-row tiles otherwise.
+    A K (or V) cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores."""
     rows = max_query_len * group
-    if d in TC_HEAD_DIMS:
-        decode = rows <= 16
+    if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
         smem = tc_smem(d, TC_STAGES)
+        if rows <= 8:
+            return f"attention_tc_d{d}_decode8", True, 1, smem
+        decode = rows <= 16
         kernel = f"attention_tc_d{d}_{'decode' if decode else 'prefill'}"
         return kernel, True, -(-rows // (16 if decode else 64)), smem
     r = 1 if rows <= 4 else 2 if rows <= 8 else 4

@@ -57,21 +57,138 @@ __device__ __forceinline__ unsigned int pack2_rn(float lo, float hi) {
     return r;
 }
 
+// The kernels' parameters (one contract for every tiling; cuda_ops passes them in this order).
+#define ATTN_TC_PARAMS                                                                                   \
+    const bf16_t *__restrict__ q, int q_stride, const bf16_t *__restrict__ k_cache,                     \
+        const bf16_t *__restrict__ v_cache, const int *__restrict__ query_start_loc,                    \
+        const int *__restrict__ seq_lens, const int *__restrict__ block_tables, int max_blocks,         \
+        bf16_t *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,              \
+        int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits
+#define ATTN_TC_ARGS                                                                                     \
+    q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks, out, part_o,    \
+        part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits
+
+// The K/V tiles of one (sequence, kv head, key split) through shared memory, TC_KT keys a tile
+// and STAGES tiles in flight. The cache rows of each tile are staged in shared memory as 32-bit
+// offsets in 16-byte units (slot tile % STAGES) a tile before their copies are issued, so that
+// issuing never waits on a block-table read and a copy is a shared load, an add and the cp.async.
+// Every step commits one copy group, empty or not, so "all but the newest STAGES - 2 groups
+// done" always means "the current tile has landed".
+template <int D, int STAGES>
+struct KvPipe {
+    static constexpr int SROW = D + 8;      // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
+    static constexpr int PARTS = D / 8;     // 16-byte pieces of one key's head row
+    static constexpr int TPP = 128 / PARTS; // keys per copy pass of the block
+    static constexpr unsigned int NONE = 0xffffffffu;
+    bf16_t* kv_s;                           // [STAGES][K|V][TC_KT][SROW]
+    unsigned int* off_s;                    // [STAGES][TC_KT]
+    const bf16_t* k_cache;
+    const bf16_t* v_cache;
+    const int* table;                       // this sequence's block-table row
+    int block_size, hk, kh, kv_end, tile0, tile1;
+
+    static constexpr size_t KV_BYTES = (size_t)STAGES * 2 * TC_KT * SROW * sizeof(bf16_t);
+    __device__ const bf16_t* k_tile(int tile) const {
+        return kv_s + (size_t)((tile - tile0) % STAGES) * 2 * TC_KT * SROW;  // its V tile follows
+    }
+
+    __device__ void fetch(int tile) const {
+        if (threadIdx.x < TC_KT && tile < tile1) {
+            const int kpos = tile * TC_KT + threadIdx.x;
+            unsigned int off = NONE;
+            if (kpos < kv_end) {
+                const size_t blk = (size_t)table[kpos / block_size];
+                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
+            }
+            off_s[(tile % STAGES) * TC_KT + threadIdx.x] = off;
+        }
+    }
+    __device__ void load(int tile) const {
+        bf16_t* ks = const_cast<bf16_t*>(k_tile(tile));
+        bf16_t* vs = ks + TC_KT * SROW;
+        const unsigned int* offs = off_s + (tile % STAGES) * TC_KT;
+        const int part = threadIdx.x % PARTS, tok0 = threadIdx.x / PARTS;
+#pragma unroll
+        for (int i = 0; i < TC_KT / TPP; ++i) {
+            const int tok = tok0 + i * TPP;
+            const unsigned int off = offs[tok];
+            const bool ok = off != NONE;
+            const size_t src = ok ? ((size_t)off + part) * 8 : 0;
+            cp_async16(ks + tok * SROW + part * 8, k_cache + src, ok);
+            cp_async16(vs + tok * SROW + part * 8, v_cache + src, ok);
+        }
+    }
+    // The first STAGES - 1 tiles go out before the caller's Q reads, so their latencies overlap.
+    __device__ void start() const {
+        for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
+        __syncthreads();
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (tile0 + i < tile1) load(tile0 + i);
+            cp_async_commit();
+        }
+    }
+    // Wait for `tile`, then refill the stage the previous step consumed.
+    __device__ void advance(int tile) const {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this tile landed for every thread; the stage refilled below is free
+        const int next = tile + STAGES - 1;
+        if (next < tile1) load(next);
+        cp_async_commit();
+        fetch(next + 1);  // its slot held the offsets of `tile`, issued steps ago
+    }
+    __device__ void finish() const {
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the stages before the caller reuses them
+    }
+};
+
+// The end of a block whose KW warps each streamed a share of the keys for the same ROWS rows:
+// each left (m, l) per row in red_ml [KW][ROWS][2] and its unnormalised o in red_o [KW][ROWS][D].
+// Merge them and write the rows out (one split) or as split partials.
+template <int D, int KW, int ROWS>
+__device__ __forceinline__ void merge_key_warps(const float* red_o, const float* red_ml, int row0, int nrows,
+                                                int group, int q0, int kh, int hq, int split, int total_tokens,
+                                                int num_splits, bf16_t* out, float* part_o, float* part_ml) {
+    for (int e = threadIdx.x; e < ROWS * (D / 2); e += blockDim.x) {
+        const int lr = e / (D / 2), p = e % (D / 2), r = row0 + lr;
+        if (r >= nrows) continue;
+        float mm = -VT_INF;
+#pragma unroll
+        for (int w = 0; w < KW; ++w) mm = fmaxf(mm, red_ml[(w * ROWS + lr) * 2]);
+        float ll = 0.f, x0 = 0.f, x1 = 0.f;
+        if (mm > -VT_INF) {
+#pragma unroll
+            for (int w = 0; w < KW; ++w) {
+                const float mw = red_ml[(w * ROWS + lr) * 2];
+                if (mw == -VT_INF) continue;
+                const float wt = exp2f(mw - mm);
+                ll += wt * red_ml[(w * ROWS + lr) * 2 + 1];
+                x0 += wt * red_o[(w * ROWS + lr) * D + 2 * p];
+                x1 += wt * red_o[(w * ROWS + lr) * D + 2 * p + 1];
+            }
+        }
+        const int t = q0 + r / group, h = kh * group + r % group;
+        if (num_splits == 1) {
+            const float inv = ll > 0.f ? 1.f / ll : 0.f;
+            reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D)[p] = pack2(x0 * inv, x1 * inv);
+        } else {
+            const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
+            reinterpret_cast<float2*>(part_o + prow * D)[p] = make_float2(x0, x1);
+            if (p == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
+        }
+    }
+}
+
 template <int D, int RW, int KW, int STAGES>
 __device__ __forceinline__ void attention_tc_body(
-    const bf16_t* __restrict__ q, int q_stride, const bf16_t* __restrict__ k_cache,
-    const bf16_t* __restrict__ v_cache, const int* __restrict__ query_start_loc,
-    const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
-    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-    int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits) {
-    constexpr int SROW = D + 8;           // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
+    ATTN_TC_PARAMS) {
+    using Pipe = KvPipe<D, STAGES>;
+    constexpr int SROW = Pipe::SROW;
     constexpr int WK = TC_KT / KW;        // keys per warp per tile
     constexpr int NS = WK / 8;            // score n-tiles per warp
     constexpr int DK = D / 16;            // k-steps over the head dim
     constexpr int DN = D / 8;             // output n-tiles
-    constexpr int CHUNKS = TC_KT * D / 8; // 16-byte pieces per K (or V) tile
     extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);  // [STAGES][K|V][TC_KT][SROW]
 
     const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 16 * RW, TC_KT);
     if (ab.row0 >= ab.nrows) return;
@@ -90,41 +207,9 @@ __device__ __forceinline__ void attention_tc_body(
     const int wlast = min(wr0 + 15, nrows - 1);
     const int warp_pos = wlast >= wr0 ? ctx - qlen + wlast / group : -1;
 
-    // Cache block ids of each tile's keys, staged in shared memory a tile before its copies are
-    // issued, so that issuing never waits on a block-table read. Slot = tile % STAGES.
-    int* ids_s = reinterpret_cast<int*>(smem + (size_t)STAGES * 2 * TC_KT * SROW * sizeof(bf16_t));
-    auto fetch_ids = [&](int tile) {
-        if (threadIdx.x < TC_KT && tile < tile1) {
-            const int kpos = tile * TC_KT + threadIdx.x;
-            ids_s[(tile % STAGES) * TC_KT + threadIdx.x] =
-                kpos < kv_end ? block_tables[(size_t)b * max_blocks + kpos / block_size] : -1;
-        }
-    };
-    auto load_tile = [&](int tile, int stage) {
-        bf16_t* ks = kv_s + (size_t)stage * 2 * TC_KT * SROW;
-        bf16_t* vs = ks + TC_KT * SROW;
-#pragma unroll
-        for (int i = 0; i < CHUNKS / 128; ++i) {
-            const int e = threadIdx.x + 128 * i;
-            const int tok = e / (D / 8), part = e % (D / 8);
-            const int kpos = tile * TC_KT + tok;
-            const int blk = ids_s[(tile % STAGES) * TC_KT + tok];
-            const bool ok = blk >= 0;
-            const size_t base = ok ? (((size_t)blk * block_size + kpos % block_size) * hk + kh) * D + part * 8 : 0;
-            cp_async16(ks + tok * SROW + part * 8, k_cache + base, ok);
-            cp_async16(vs + tok * SROW + part * 8, v_cache + base, ok);
-        }
-    };
-
-    // The first STAGES - 1 tiles go out before the Q reads so that their latencies overlap. Every
-    // step commits one copy group, empty or not, so "all but the newest STAGES - 2 groups done"
-    // always means "the current tile has landed".
-    for (int i = 0; i < STAGES; ++i) fetch_ids(tile0 + i);
-    __syncthreads();
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (tile0 + i < tile1) load_tile(tile0 + i, i);
-        cp_async_commit();
-    }
+    const Pipe pipe{reinterpret_cast<bf16_t*>(smem), reinterpret_cast<unsigned int*>(smem + Pipe::KV_BYTES),
+                    k_cache, v_cache, block_tables + (size_t)b * max_blocks, block_size, hk, kh, kv_end, tile0, tile1};
+    pipe.start();
 
     // Q fragments (A operand, row major), straight from global memory.
     unsigned int qa[DK][4];
@@ -147,18 +232,10 @@ __device__ __forceinline__ void attention_tc_body(
     float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        const int stage = (tile - tile0) % STAGES;
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // this tile landed for every thread; the stage refilled below is free
-        {
-            const int next = tile + STAGES - 1;  // into the stage the previous step consumed
-            if (next < tile1) load_tile(next, (next - tile0) % STAGES);
-            cp_async_commit();
-            fetch_ids(next + 1);  // its slot held the ids of `tile`, issued steps ago
-        }
+        pipe.advance(tile);
         const int kbase = tile * TC_KT + kw * WK;  // first key of this warp's slice
         if (kbase <= warp_pos) {
-            const bf16_t* ks = kv_s + (size_t)stage * 2 * TC_KT * SROW + kw * WK * SROW;
+            const bf16_t* ks = pipe.k_tile(tile) + kw * WK * SROW;
             const bf16_t* vs = ks + TC_KT * SROW;
             // S = Q K^T over this warp's WK keys.
             float s[NS][4];
@@ -228,8 +305,7 @@ __device__ __forceinline__ void attention_tc_body(
             }
         }
     }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the stages before they are reused below
+    pipe.finish();
 
     // Row sums were kept per thread; the four threads of a quad share a row.
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
@@ -257,34 +333,8 @@ __device__ __forceinline__ void attention_tc_body(
             red_ml[(kw * 16 + g + 8) * 2 + 1] = l_b;
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < 16 * (D / 2); e += blockDim.x) {
-            const int lr = e / (D / 2), p = e % (D / 2), r = row0 + lr;
-            if (r >= nrows) continue;
-            float mm = -VT_INF;
-#pragma unroll
-            for (int w = 0; w < KW; ++w) mm = fmaxf(mm, red_ml[(w * 16 + lr) * 2]);
-            float ll = 0.f, x0 = 0.f, x1 = 0.f;
-            if (mm > -VT_INF) {
-#pragma unroll
-                for (int w = 0; w < KW; ++w) {
-                    const float mw = red_ml[(w * 16 + lr) * 2];
-                    if (mw == -VT_INF) continue;
-                    const float wt = exp2f(mw - mm);
-                    ll += wt * red_ml[(w * 16 + lr) * 2 + 1];
-                    x0 += wt * red_o[(w * 16 + lr) * D + 2 * p];
-                    x1 += wt * red_o[(w * 16 + lr) * D + 2 * p + 1];
-                }
-            }
-            const int t = q0 + r / group, h = kh * group + r % group;
-            if (num_splits == 1) {
-                const float inv = ll > 0.f ? 1.f / ll : 0.f;
-                reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D)[p] = pack2(x0 * inv, x1 * inv);
-            } else {
-                const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
-                reinterpret_cast<float2*>(part_o + prow * D)[p] = make_float2(x0, x1);
-                if (p == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
-            }
-        }
+        merge_key_warps<D, KW, 16>(red_o, red_ml, row0, nrows, group, q0, kh, hq, split, total_tokens,
+                                   num_splits, out, part_o, part_ml);
     } else {
 #pragma unroll
         for (int half_i = 0; half_i < 2; ++half_i) {
@@ -309,18 +359,158 @@ __device__ __forceinline__ void attention_tc_body(
     }
 }
 
-#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                                           \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                                   \
-        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                          \
-        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,             \
-        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int block_size,         \
-        float scale_log2, int num_splits) {                                                                   \
-        attention_tc_body<D, RW, KW, STAGES>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens,        \
-                                     block_tables, max_blocks, out, part_o, part_ml, total_tokens, hq,        \
-                                     hk, block_size, scale_log2, num_splits);                                 \
+__device__ __forceinline__ unsigned int movmatrix_t(unsigned int a) {
+    unsigned int d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+    return d;
+}
+
+// Decode with at most 8 rows per kv head (a GQA group of up to 8, or a few tokens of a smaller
+// group), computed transposed: S^T = K Q^T and O^T = V^T P^T. Keys and head dims are then the
+// 16-wide M side of each mma and the rows its 8-wide N side, which halves the mma count and the
+// accumulators of a 16-row tile whose rows would be mostly padding. Four warps each take 16 keys
+// of every 64-key tile and are merged at the end.
+template <int D, int STAGES>
+__device__ __forceinline__ void attention_tc_dec8_body(
+    ATTN_TC_PARAMS) {
+    using Pipe = KvPipe<D, STAGES>;
+    constexpr int SROW = Pipe::SROW;
+    constexpr int DK = D / 16;             // k-steps of S^T over the head dim, m-tiles of O^T
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 8, TC_KT);
+    if (ab.row0 >= ab.nrows) return;
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    const int tile0 = ab.tile0, tile1 = ab.tile1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3;
+
+    // The accumulators of this thread hold rows 2c and 2c + 1 of the tile.
+    const int r0 = row0 + 2 * c, r1 = r0 + 1;
+    const int pos0 = r0 < nrows ? ctx - qlen + r0 / group : -1;
+    const int pos1 = r1 < nrows ? ctx - qlen + r1 / group : -1;
+    const int tile_pos = ctx - qlen + (min(row0 + 7, nrows - 1)) / group;  // last key any row sees
+
+    const Pipe pipe{reinterpret_cast<bf16_t*>(smem), reinterpret_cast<unsigned int*>(smem + Pipe::KV_BYTES),
+                    k_cache, v_cache, block_tables + (size_t)b * max_blocks, block_size, hk, kh, kv_end, tile0, tile1};
+    pipe.start();
+
+    // Q^T fragments (B operand): row g of the tile, two dim pairs per k-step.
+    unsigned int qb[DK][2];
+    {
+        const int r = row0 + g;
+        const bool ok = r < nrows;
+        const bf16_t* p = q + (size_t)(q0 + (ok ? r / group : 0)) * q_stride + (size_t)(kh * group + (ok ? r % group : 0)) * D;
+#pragma unroll
+        for (int ks = 0; ks < DK; ++ks) {
+            qb[ks][0] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c) : 0u;
+            qb[ks][1] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c + 8) : 0u;
+        }
+    }
+
+    // o[mt]: O^T of dims mt*16 + g (0, 1) and + 8 (2, 3), rows 2c (0, 2) and 2c + 1 (1, 3).
+    float o[DK][4];
+#pragma unroll
+    for (int n = 0; n < DK; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m0 = -VT_INF, m1 = -VT_INF, l0 = 0.f, l1 = 0.f;
+    const int mi = lane >> 3, mr = lane & 7;
+
+    for (int tile = tile0; tile < tile1; ++tile) {
+        pipe.advance(tile);
+        const int kbase = tile * TC_KT + warp * 16;
+        if (kbase <= tile_pos) {
+            const bf16_t* ks = pipe.k_tile(tile) + warp * 16 * SROW;
+            const bf16_t* vs = ks + TC_KT * SROW;
+            // s: S^T of keys kbase + g (0, 1) and + 8 (2, 3), rows 2c (0, 2) and 2c + 1 (1, 3).
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int ks_i = 0; ks_i < DK; ++ks_i) {
+                unsigned int ka[4];
+                ldsm_x4(ka, ks + ((mi & 1) * 8 + mr) * SROW + ks_i * 16 + (mi >> 1) * 8);
+                mma_bf16(s, ka, qb[ks_i][0], qb[ks_i][1]);
+            }
+            const int ka_pos = kbase + g, kb_pos = ka_pos + 8;
+            s[0] = ka_pos <= pos0 ? s[0] * scale_log2 : -VT_INF;
+            s[1] = ka_pos <= pos1 ? s[1] * scale_log2 : -VT_INF;
+            s[2] = kb_pos <= pos0 ? s[2] * scale_log2 : -VT_INF;
+            s[3] = kb_pos <= pos1 ? s[3] * scale_log2 : -VT_INF;
+            float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+            for (int sh = 4; sh < 32; sh <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+            }
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float base0 = mn0 == -VT_INF ? 0.f : mn0, base1 = mn1 == -VT_INF ? 0.f : mn1;
+            const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+            m0 = mn0;
+            m1 = mn1;
+            const float p0 = exp2f(s[0] - base0), p1 = exp2f(s[1] - base1);
+            const float p2 = exp2f(s[2] - base0), p3 = exp2f(s[3] - base1);
+            l0 = l0 * corr0 + (p0 + p2);
+            l1 = l1 * corr1 + (p1 + p3);
+            // Once the running maxima settle the factors are exactly 1: skip the rescale then.
+            if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
+#pragma unroll
+                for (int n = 0; n < DK; ++n) {
+                    o[n][0] *= corr0; o[n][1] *= corr1; o[n][2] *= corr0; o[n][3] *= corr1;
+                }
+            }
+            // P^T as the B operand: transpose the two 8x8 [key][row] bf16 blocks.
+            const unsigned int pb0 = movmatrix_t(pack2_rn(p0, p1));
+            const unsigned int pb1 = movmatrix_t(pack2_rn(p2, p3));
+#pragma unroll
+            for (int mt = 0; mt < DK; ++mt) {
+                unsigned int va[4];
+                ldsm_x4_t(va, vs + ((mi >> 1) * 8 + mr) * SROW + mt * 16 + (mi & 1) * 8);
+                mma_bf16(o[mt], va, pb0, pb1);
+            }
+        }
+    }
+    pipe.finish();
+
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, sh);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, sh);
+    }
+    float* red_o = reinterpret_cast<float*>(smem);  // [4 warps][8 rows][D]
+    float* red_ml = red_o + 4 * 8 * D;               // [4 warps][8 rows][2]
+    float* wo = red_o + warp * 8 * D;
+#pragma unroll
+    for (int mt = 0; mt < DK; ++mt) {
+        const int dim = mt * 16 + g;
+        wo[(2 * c) * D + dim] = o[mt][0];
+        wo[(2 * c + 1) * D + dim] = o[mt][1];
+        wo[(2 * c) * D + dim + 8] = o[mt][2];
+        wo[(2 * c + 1) * D + dim + 8] = o[mt][3];
+    }
+    if (g == 0) {
+        red_ml[(warp * 8 + 2 * c) * 2] = m0;
+        red_ml[(warp * 8 + 2 * c) * 2 + 1] = l0;
+        red_ml[(warp * 8 + 2 * c + 1) * 2] = m1;
+        red_ml[(warp * 8 + 2 * c + 1) * 2 + 1] = l1;
+    }
+    __syncthreads();
+    merge_key_warps<D, 4, 8>(red_o, red_ml, row0, nrows, group, q0, kh, hq, split, total_tokens, num_splits,
+                             out, part_o, part_ml);
+}
+
+#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                              \
+    extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS) {                       \
+        attention_tc_body<D, RW, KW, STAGES>(ATTN_TC_ARGS);                                        \
     }
 
 ATTENTION_TC_ENTRY(attention_tc_d64_prefill, 64, 4, 1, TC_STAGES)
 ATTENTION_TC_ENTRY(attention_tc_d64_decode, 64, 1, 4, TC_STAGES)
 ATTENTION_TC_ENTRY(attention_tc_d128_prefill, 128, 4, 1, TC_STAGES)
 ATTENTION_TC_ENTRY(attention_tc_d128_decode, 128, 1, 4, TC_STAGES)
+
+#define ATTENTION_TC_DEC8_ENTRY(NAME, D, STAGES)                                                 \
+    extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS) {                       \
+        attention_tc_dec8_body<D, STAGES>(ATTN_TC_ARGS);                                           \
+    }
+
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8, 64, TC_STAGES)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES)

@@ -110,7 +110,7 @@ class CudaBackend:
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int], int] = {}
         for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
-            for q_len in (1, 64):
+            for q_len in (1, 16, 64):
                 kernel, _, _, smem = attention_kernel(1, q_len, d)
                 self._resident_blocks(kernel, smem)
         lib = load_libcublas()
@@ -144,7 +144,9 @@ class CudaBackend:
             ),
             "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
             "attention_tc.cu": tuple(
-                f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("prefill", "decode")
+                f"attention_tc_d{d}_{kind}"
+                for d in TC_HEAD_DIMS
+                for kind in ("prefill", "decode", "decode8")
             ),
             "sampling.cu": (
                 "log_softmax_topk_k",
@@ -467,7 +469,7 @@ class CudaBackend:
         b = seq_lens.shape[0]
         if t == 0 or b == 0 or max_query_len <= 0:
             return out
-        kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d)
+        kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d, k_cache.size)
         splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len)
         if splits > 1:
             part_o = self._out((splits, t, hq, d), np.float32)

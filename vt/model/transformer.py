@@ -100,15 +100,18 @@ class Transformer:
 
         x = ops.embed(batch.input_ids, self.embed)
         residual = None
-        # Rewind the step arena after every layer, keeping only the hidden state and residual in
-        # two buffers taken before the mark: a step's workspace is then one layer's, not all.
-        x_keep = r_keep = None
-        mark = _arena_mark(ops)
-        if mark is not None:
-            x_keep = ops.scratch((t, cfg.hidden_size), "act")
-            r_keep = ops.scratch((t, cfg.hidden_size), "act")
-            mark = ops.arena_mark()
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        # The arena is two alternating regions, one per layer parity: layer l's outputs (hidden
+        # state and residual) stay intact while layer l + 1 runs in the other region, and layer
+        # l + 2 reuses l's region once l + 1 has consumed them. A step's workspace is then two
+        # layers' activations, not all of them, and nothing is copied between layers.
+        starts: list[int | None] = [_arena_mark(ops), None]
+        for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
+            if starts[0] is not None:
+                if starts[li % 2] is None:
+                    starts[1] = ops.arena_mark()
+                ops.arena_reset(starts[li % 2])
+                if residual is None:  # layer 0 makes no residual buffer: take its room anyway,
+                    ops.scratch((t, cfg.hidden_size), "act")  # so every layer's footprint is equal
             h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
             qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_end].reshape(t, hq, d)
@@ -121,11 +124,8 @@ class Transformer:
             x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)
             h, residual = ops.rms_norm(x, layer.post_norm, eps, residual)
             x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, None)), layer.down, None)
-            if mark is not None:
-                x_keep[...] = x
-                r_keep[...] = residual
-                ops.arena_reset(mark)
-                x, residual = x_keep, r_keep
+            if li % 2 == 0 and starts[1] is not None and ops.arena_mark() > starts[1]:
+                raise RuntimeError("a layer's workspace outgrew the first layer's; regions overlap")
         # The final norm is per row, so gather the sampled rows first and normalize only those.
         x_last = ops.gather_rows(x, batch.logits_indices)
         r_last = ops.gather_rows(residual, batch.logits_indices)

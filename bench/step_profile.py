@@ -1,0 +1,102 @@
+"""Where a decode step's device time goes: every kernel of graph-replayed steps, from a CUPTI trace.
+
+    python3 bench/step_profile.py --preset 8b --batch 64 --context 512 [--trace out.json]
+
+The runner is bench/decode_step.py's (random weights, the real staging, graphs and sampling).
+Steps run at depth 1 so that each step's kernels form one window; the report groups kernels by
+name and gives, per step, the device busy time, the gaps between consecutive kernels and the
+wall time. torch's profiler is only the CUPTI reader here (it records every kernel of the
+process, CuPy's and cuBLAS' included); torch itself runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode_step import build_runner, decode_batches, floor_seconds  # noqa: E402
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    return sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def split_steps(kernels: list[dict], per_step: int) -> list[list[dict]]:
+    return [kernels[i: i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
+
+
+def short_name(name: str) -> str:
+    if any(s in name for s in ("gemm", "nvjet", "cutlass", "xmma", "splitK", "Kernel2")):
+        return "cublas:" + name[:60]
+    return name.split("(")[0][:60]
+
+
+def summarize(steps: list[list[dict]]) -> dict:
+    by_name: dict[str, list[float]] = defaultdict(list)
+    busy, gaps, spans = [], [], []
+    for ks in steps:
+        busy.append(sum(k["dur"] for k in ks))
+        gaps.append(sum(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(ks, ks[1:])))
+        spans.append(ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"])
+        per: dict[str, float] = defaultdict(float)
+        for k in ks:
+            per[short_name(k["name"])] += k["dur"]
+        for n, v in per.items():
+            by_name[n].append(v)
+    count: dict[str, int] = defaultdict(int)
+    for k in steps[0]:
+        count[short_name(k["name"])] += 1
+    rows = sorted(((n, statistics.median(v), count[n]) for n, v in by_name.items()), key=lambda r: -r[1])
+    return dict(kernels_per_step=len(steps[0]), busy_us=statistics.median(busy),
+                gaps_us=statistics.median(gaps), span_us=statistics.median(spans), rows=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="8b")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--trace", default=None)
+    args = ap.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    runner, mc = build_runner(args.preset, args.batch, args.context, False)
+    eos = lambda _rid: ()  # noqa: E731
+    gen = decode_batches(args.batch, args.context, args.steps + 8)
+    runner.execute(next(gen), eos).result()
+    for _ in range(4):
+        runner.execute(next(gen), eos).result()
+    # one profiled step alone, to count its kernels
+    with profile(activities=[ProfilerActivity.CUDA]) as p1:
+        runner.execute(next(gen), eos).result()
+    path = Path(args.trace or "/tmp/step_one.json")
+    p1.export_chrome_trace(str(path))
+    per_step = len(kernel_events(json.loads(path.read_text())))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            runner.execute(next(gen), eos).result()
+    prof.export_chrome_trace(str(path))
+    kernels = kernel_events(json.loads(path.read_text()))
+    s = summarize(split_steps(kernels, per_step))
+    floor = floor_seconds(mc, args.batch, args.context) * 1e6
+    print(f"{args.preset} batch {args.batch} context {args.context}: "
+          f"{s['kernels_per_step']} kernels per step, "
+          f"busy {s['busy_us']:.0f} us + gaps {s['gaps_us']:.0f} us = span {s['span_us']:.0f} us; "
+          f"floor {floor:.0f} us ({s['span_us'] / floor:.2f}x, busy alone {s['busy_us'] / floor:.2f}x)")
+    print(f"{'kernel':64s} {'us/step':>9s} {'count':>6s} {'share':>6s}")
+    for name, us, n in s["rows"]:
+        print(f"{name:64s} {us:9.1f} {n:6d} {us / s['busy_us']:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
