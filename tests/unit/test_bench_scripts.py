@@ -106,3 +106,43 @@ def test_peer_generate_batch_gives_figures_or_a_one_line_reason(peer_cpu: dict) 
         return
     assert res["exact_lengths"] and res["output_tokens"] == 3 * 5
     assert res["output_tok_per_s"] > 0 and 0 < res["seconds"] <= res["call_seconds"]
+
+
+def test_step_profile_splits_steps_and_counts_busy_time_and_gaps() -> None:
+    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):  # step_profile imports decode_step
+        prof = load_script("step_profile")
+
+    def k(name: str, ts: float, dur: float) -> dict:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    # two steps of three kernels; a host-side event and the step boundary gap stay out
+    trace = {"traceEvents": [
+        k("rms_norm_k", 0, 2), k("nvjet_sm90_tst_64x64", 3, 10), k("attention_tc_d128_decode8", 14, 5),
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 50},
+        k("rms_norm_k", 100, 4), k("nvjet_sm90_tst_64x64", 105, 10), k("attention_tc_d128_decode8", 116, 7),
+    ]}
+    kernels = prof.kernel_events(trace)
+    steps = prof.split_steps(kernels, 3)
+    assert [len(s) for s in steps] == [3, 3]
+    s = prof.summarize(steps)
+    assert s["kernels_per_step"] == 3
+    assert s["busy_us"] == pytest.approx((17 + 21) / 2)  # median of two steps = mean
+    assert s["gaps_us"] == pytest.approx((2 + 2) / 2)
+    assert s["span_us"] == pytest.approx((19 + 23) / 2)
+    names = {name: us for name, us, _ in s["rows"]}
+    assert names["cublas:nvjet_sm90_tst_64x64"] == pytest.approx(10)
+    assert names["attention_tc_d128_decode8"] == pytest.approx(6)
+
+
+def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_reads(tmp_path: Path) -> None:
+    from vt.config import ModelConfig
+
+    ds = load_script("decode_step")
+    ds.write_config(tmp_path, "8b")
+    mc = ModelConfig.from_dir(tmp_path)
+    assert ds.roofline_seconds(mc, 64, 512) == pytest.approx(ds.floor_seconds(mc, 64, 512))
+    # 8B at 256 rows: ~7.6e9 multiplied weights x 2 x 256 FLOPs outlast 16.4 GB of weight reads
+    matmul = 36 * (4096 * 6144 + 4096 * 4096 + 2 * 4096 * 12288 + 12288 * 4096) + 151936 * 4096
+    kv = 256 * 512 * 36 * 2 * 8 * 128 * 2 / ds.BANDWIDTH
+    assert ds.roofline_seconds(mc, 256, 512) == pytest.approx(2 * matmul * 256 / ds.MATMUL_RATE + kv)
+    assert ds.roofline_seconds(mc, 256, 512) > 1.1 * ds.floor_seconds(mc, 256, 512)
