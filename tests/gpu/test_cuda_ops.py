@@ -480,6 +480,192 @@ def test_sampling_respects_bans_and_top_k_one(cb, rng):
     assert not np.any(got == best)
 
 
+def _rows(b, temperature, top_k, top_p, min_p, rng):
+    """Per-row sampler parameters (scalars broadcast) with random seeds and offsets."""
+    full = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (b,)).copy()
+    return (full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
+            full(min_p, np.float32), rng.integers(-(2**63), 2**63 - 1, b, dtype=np.int64),
+            rng.integers(0, 500, b).astype(np.int32))
+
+
+def _sample_cuda(cb, logits, host):
+    kinds = ("f32", "i32", "f32", "f32", "i64", "i32")
+    dev = tuple(cb.from_host(a, t) for a, t in zip(host, kinds))
+    poison(cb)
+    with cb.slot(0):
+        return cb.to_host(cb.sample(cb.from_host(logits, "f32"), *dev))
+
+
+def test_sampling_mixed_rows_full_vocab(cb, rng):
+    """Every path in one batch at the real vocab size: greedy and plain rows split over blocks,
+    filtered rows from their candidates, each row as numpy picks it."""
+    v = 151936
+    params = [  # temperature, top_k, top_p, min_p
+        (0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (0.8, 50, 0.9, 0.0), (1.0, 50, 1.0, 0.0),
+        (0.7, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.6, 20, 0.8, 0.1), (1.2, 1000, 0.95, 0.0),
+        (0.9, 1, 1.0, 0.0), (1.0, 0, 0.5, 0.02), (0.0, 50, 0.9, 0.0), (1.5, 300, 1.0, 0.0),
+    ]
+    b = len(params)
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    peaked = rng.integers(0, v, (b, 30))
+    logits[np.arange(b)[:, None], peaked] += rng.uniform(8, 20, (b, 30)).astype(np.float32)  # LLM-like heads
+    host = list(_rows(b, 1.0, 0, 1.0, 0.0, rng))
+    for j, (t, k, p, m) in enumerate(params):
+        host[0][j], host[1][j], host[2][j], host[3][j] = t, k, p, m
+    got = _sample_cuda(cb, logits, host)
+    np.testing.assert_array_equal(got, numpy_sampling.sample(logits, *host))
+
+
+@pytest.mark.parametrize("v,top_k,temperature", [(151936, 50, 1.0), (151936, 5, 3.0), (20000, 200, 0.7),
+                                                 (151936, 200, 1.0), (3000, 40, 1.0)])
+def test_sampling_top_k_ties_at_the_boundary(cb, rng, v, top_k, temperature):
+    """Logits on a coarse grid tie in groups; every token tied with the k-th value is kept."""
+    b = 8
+    step = 1.0 if top_k == 200 else 0.25
+    logits = (np.round(rng.standard_normal((b, v)) * 2.5 / step) * step).astype(np.float32)
+    host = _rows(b, temperature, top_k, 1.0, 0.0, rng)
+    np.testing.assert_array_equal(_sample_cuda(cb, logits, host), numpy_sampling.sample(logits, *host))
+    host = _rows(b, temperature, top_k, 1.0, 0.05, rng)
+    np.testing.assert_array_equal(_sample_cuda(cb, logits, host), numpy_sampling.sample(logits, *host))
+
+
+def test_sampling_top_k_ties_made_by_the_temperature(cb, rng):
+    """Neighbouring raw logits that divide to one float: with the k-th value on such a pair, the
+    raw value just below the k-th largest is kept too."""
+    b, v, n = 6, 151936, 64
+    logits = rng.standard_normal((b, v)).astype(np.float32)
+    base = np.float32(15.0)  # top of its binade: after / t the float spacing is coarser than the run's
+    run = base + np.arange(n, dtype=np.float32) * np.spacing(base)
+    for r in range(b):
+        logits[r, rng.permutation(v)[:n]] = run
+    for t in (3.0, 1.3, 0.7):
+        scaled = np.sort(run / np.float32(t))[::-1]
+        ties = np.nonzero(scaled[:-1] == scaled[1:])[0]  # scaled[j] == scaled[j + 1]
+        assert ties.size
+        for k in (int(ties[0]) + 1, int(ties[ties.size // 2]) + 1, 10):
+            host = _rows(b, t, k, 1.0, 0.0, rng)
+            want = numpy_sampling.sample(logits, *host)
+            np.testing.assert_array_equal(_sample_cuda(cb, logits, host), want)
+
+
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_sampling_top_p_extremes(cb, rng, top_k):
+    b, v = 16, 151936
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    logits[np.arange(b), rng.integers(0, v, b)] += 6  # a clear top token
+    for top_p in (1e-6, 1.0, 0.999, 0.3):
+        host = _rows(b, 0.9, top_k, top_p, 0.0, rng)
+        got = _sample_cuda(cb, logits, host)
+        np.testing.assert_array_equal(got, numpy_sampling.sample(logits, *host))
+        if top_p == 1e-6:
+            np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+
+
+def _pick_if_determined(scaled, noise, top_p, delta):
+    """argmax of scaled + noise over the float64 nucleus, or None where moving top_p by +-delta
+    changes the answer (a boundary float32 sums may round either way)."""
+    e = np.exp(scaled.astype(np.float64) - scaled.max())
+    order = np.argsort(-e, kind="stable")
+    before = np.concatenate(([0.0], np.cumsum(e[order])[:-1])) / e.sum()
+    picks = set()
+    for p in (top_p - delta, top_p + delta):
+        keep = np.zeros(scaled.shape[0], bool)
+        keep[order[before < p]] = True
+        picks.add(int(np.argmax(np.where(keep, scaled + noise, -np.inf))))
+    return picks.pop() if len(picks) == 1 else None
+
+
+def test_sampling_wide_nucleus_and_large_top_k_take_the_full_path(cb, rng):
+    """A nucleus of thousands of tokens (flat logits) and top_k above the candidate buffer."""
+    b, v = 16, 20000
+    logits = (rng.standard_normal((b, v)) * 0.3).astype(np.float32)
+    host = _rows(b, 1.0, 0, 0.97, 0.0, rng)
+    got = _sample_cuda(cb, logits, host)
+    noise = numpy_sampling.gumbel_noise(host[4], host[5], v)
+    decided = 0
+    for r in range(b):
+        want = _pick_if_determined(logits[r], noise[r], 0.97, 2e-3)
+        if want is not None:
+            decided += 1
+            assert got[r] == want, r
+    assert decided >= b // 2
+    logits = (rng.standard_normal((b, v)) * 2.5).astype(np.float32)
+    for k, p in ((5000, 1.0), (3000, 0.9), (1025, 1.0)):
+        host = _rows(b, 0.8, k, p, 0.0, rng)
+        np.testing.assert_array_equal(_sample_cuda(cb, logits, host), numpy_sampling.sample(logits, *host))
+
+
+def test_top_p_keeps_a_whole_tie_group(cb, rng):
+    """Equal logits: the nucleus ends inside one group of equal values and the sampler keeps the
+    whole group (numpy would cut it by id), so the pick is the noise argmax over all tokens."""
+    b, v = 8, 20000
+    logits = np.zeros((b, v), np.float32)
+    for top_k, top_p in ((0, 0.5), (10, 1.0), (100, 0.3)):
+        host = _rows(b, 1.0, top_k, top_p, 0.0, rng)
+        want = np.argmax(numpy_sampling.gumbel_noise(host[4], host[5], v), axis=1)
+        np.testing.assert_array_equal(_sample_cuda(cb, logits, host), want)
+
+
+def test_sampling_minus_inf_rows_and_bans(cb, rng):
+    b, v = 10, 151936
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    logits[0] = -np.inf  # nothing allowed: token 0, as numpy
+    logits[1, :] = -np.inf
+    logits[1, 777] = 1.0  # one allowed token
+    logits[2, rng.random(v) < 0.9] = -np.inf  # mostly banned
+    logits[3, :v - 30] = -np.inf  # fewer allowed tokens than top_k
+    logits[4, np.argsort(logits[4])[-40:]] = -np.inf  # the head banned
+    for t, k, p, m in ((1.0, 0, 1.0, 0.0), (0.8, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1),
+                       (0.0, 0, 1.0, 0.0), (0.7, 100, 1.0, 0.05)):
+        host = _rows(b, t, k, p, m, rng)
+        got = _sample_cuda(cb, logits, host)
+        np.testing.assert_array_equal(got, numpy_sampling.sample(logits, *host))
+        assert got[1] == 777 and got[0] == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 2e-5, 9.99e-6, 0.05])
+def test_sampling_temperatures_near_zero(cb, rng, temperature):
+    b, v = 12, 151936
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    for k, p, m in ((0, 1.0, 0.0), (50, 0.9, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1)):
+        host = _rows(b, temperature, k, p, m, rng)
+        np.testing.assert_array_equal(_sample_cuda(cb, logits, host), numpy_sampling.sample(logits, *host))
+
+
+def test_gumbel_noise_is_the_numpy_noise_with_split_rows(cb, rng):
+    # Few rows of the full vocab: each row is split over several blocks and combined.
+    b, v = 3, 151936
+    logits = np.zeros((b, v), np.float32)
+    host = _rows(b, 1.0, 0, 1.0, 0.0, rng)
+    want = np.argmax(numpy_sampling.gumbel_noise(host[4], host[5], v), axis=1)
+    np.testing.assert_array_equal(_sample_cuda(cb, logits, host), want)
+    host = _rows(b, 0.0, 0, 1.0, 0.0, rng)
+    logits[:, [5, 100000, 151935]] = 1.0  # greedy ties across blocks: the lowest id
+    np.testing.assert_array_equal(_sample_cuda(cb, logits, host), [5, 5, 5])
+
+
+@pytest.mark.parametrize("v,k", [(151936, 5), (151936, 20), (5000, 1500), (3000, 3000), (20000, 1024)])
+def test_log_softmax_topk_ties_infs_and_large_k(cb, nb, rng, v, k):
+    b = 6
+    logits = (np.round(rng.standard_normal((b, v)) * 8) / 4).astype(np.float32)  # ties everywhere
+    logits[1, rng.random(v) < 0.5] = -np.inf
+    logits[2, :] = -np.inf
+    logits[2, :3] = [0.5, 0.5, -1.0]  # fewer finite values than k
+    logits[3, [7, 70, 700]] = logits[3].max() + 2  # a tie at the top
+    ids = rng.integers(0, v, b).astype(np.int32)
+    ids[3] = 7
+    poison(cb)
+    with cb.slot(0):
+        outs = cb.log_softmax_topk(cb.from_host(logits, "f32"), cb.from_host(ids, "i32"), k)
+        chosen, top_ids, top_lp = (cb.to_host(a) for a in outs)
+    r_chosen, r_ids, r_lp = nb.log_softmax_topk(logits, ids, k)
+    np.testing.assert_array_equal(top_ids, r_ids)  # -inf after every finite value, ties by id
+    np.testing.assert_allclose(top_lp, r_lp, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(chosen, r_chosen, rtol=1e-5, atol=1e-4)
+    assert chosen[3] == top_lp[3, 0] and top_ids[3, 0] == 7  # one lse for both outputs
+    np.testing.assert_array_equal(top_ids[2, :2], [0, 1])
+
+
 # ---- slots, arenas, graphs -------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ _ALIGN = 256
 _KERNEL_FILES = ("elementwise.cu", "attention.cu", "attention_tc.cu", "sampling.cu")
 _ATTN_SMEM_MAX = 200 * 1024
 _GREEDY_EPS = 1e-5
+_SAMPLE_SPLIT_MIN = 16384  # fewest logits per block when a sampler row is split
 _LOG2E = 1.4426950408889634
 _i32 = np.int32
 _f32 = np.float32
@@ -154,6 +155,7 @@ class CudaBackend:
                 "ban_tokens_k",
                 "record_sampled_k",
                 "sample_k",
+                "sample_combine_k",
             ),
         }
         fns = {n: kernels[f].get_function(n) for f, ns in names.items() for n in ns}
@@ -582,12 +584,22 @@ class CudaBackend:
             raise ValueError(f"seeds must be 64-bit, got {seeds.dtype}")
         out = self._out((b,), np.int32)
         if b:
+            # Rows without filters (greedy, plain temperature) split over several blocks when
+            # the batch leaves SMs idle; their (score, id) partials are combined exactly.
+            splits = max(1, min(self._num_sms // b, v // _SAMPLE_SPLIT_MIN, 32))
+            part_v = part_i = 0
+            if splits > 1:
+                part_v = self._out((b * splits,), np.float32)
+                part_i = self._out((b * splits,), np.int32)
             self._launch(
                 "sample_k",
-                (b,),
+                (splits, b),
                 (1024,),
-                (logits, temperature, top_k, top_p, min_p, seeds, offsets, out, _i32(v)),
+                (logits, temperature, top_k, top_p, min_p, seeds, offsets, out, part_v, part_i, _i32(v),
+                 _i32(splits)),
             )
+            if splits > 1:
+                self._launch("sample_combine_k", (b,), (32,), (part_v, part_i, out, _i32(splits)))
         return out
 
     def record_sampled(
