@@ -28,6 +28,29 @@ def kernel_events(trace: dict) -> list[dict]:
     return sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
 
 
+def device_events(trace: dict) -> list[dict]:
+    """Kernels, copies and memsets: everything that occupies the device's timeline."""
+    cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in trace["traceEvents"] if e.get("cat") in cats), key=lambda e: e["ts"])
+
+
+def timeline(events: list[dict]) -> dict:
+    """Span from the first start to the last end, the time no event covers (events of two
+    streams may overlap), and the copies' count and summed duration."""
+    if not events:
+        return dict(span_us=0.0, idle_us=0.0, copies=0, copy_us=0.0)
+    covered, end = 0.0, events[0]["ts"]
+    for e in events:
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        if stop > start:
+            covered += stop - start
+            end = stop
+    span = max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    return dict(span_us=span, idle_us=span - covered, copies=len(copies),
+                copy_us=sum(e["dur"] for e in copies))
+
+
 def split_steps(kernels: list[dict], per_step: int) -> list[list[dict]]:
     return [kernels[i: i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
 
@@ -96,6 +119,21 @@ def main() -> None:
     print(f"{'kernel':64s} {'us/step':>9s} {'count':>6s} {'share':>6s}")
     for name, us, n in s["rows"]:
         print(f"{name:64s} {us:9.1f} {n:6d} {us / s['busy_us']:6.1%}")
+    # Depth 2, as serving runs: what the device timeline holds per step besides the kernels.
+    handles = []
+    with profile(activities=[ProfilerActivity.CUDA]) as p2:
+        for _ in range(args.steps):
+            handles.append(runner.execute(next(gen), eos))
+            if len(handles) == 2:
+                handles.pop(0).result()
+        while handles:
+            handles.pop(0).result()
+    p2.export_chrome_trace(str(path))
+    tl = timeline(device_events(json.loads(path.read_text())))
+    n = args.steps
+    print(f"depth 2: {tl['span_us'] / n:.0f} us per step on the device timeline, of which "
+          f"{tl['idle_us'] / n:.0f} us idle; {tl['copies'] / n:.1f} copies per step "
+          f"taking {tl['copy_us'] / n:.1f} us")
 
 
 if __name__ == "__main__":

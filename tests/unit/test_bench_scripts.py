@@ -134,6 +134,16 @@ def test_step_profile_splits_steps_and_counts_busy_time_and_gaps() -> None:
     assert names["attention_tc_d128_decode8"] == pytest.approx(6)
 
 
+def test_step_profile_timeline_merges_overlapping_streams_and_counts_copies() -> None:
+    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):
+        prof = load_script("step_profile")
+    ev = [dict(cat="gpu_memcpy", ts=0.0, dur=2.0), dict(cat="kernel", ts=1.0, dur=4.0),  # overlap
+          dict(cat="kernel", ts=8.0, dur=2.0), dict(cat="cpu_op", ts=20.0, dur=5.0)]
+    tl = prof.timeline(prof.device_events(dict(traceEvents=ev)))
+    assert tl == dict(span_us=10.0, idle_us=3.0, copies=1, copy_us=2.0)
+    assert prof.timeline([])["span_us"] == 0.0
+
+
 def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_reads(tmp_path: Path) -> None:
     from vt.config import ModelConfig
 
