@@ -316,19 +316,73 @@ class Endpoint:
         return cls(parts.hostname or "127.0.0.1", parts.port or 80, api_key)
 
 
-async def _send(ep: Endpoint, method: str, path: str, body: Any = None
-                ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await asyncio.open_connection(ep.host, ep.port, limit=READ_LIMIT)
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class ConnectionPool:
+    """Idle keep-alive connections to one endpoint, as an HTTP client library keeps them: a
+    request takes one (or opens one) and gives it back once its response has been read whole.
+    Without it every request pays a TCP connect and an accept on the server's busy loop, which
+    delays arrivals at high concurrency."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.idle: list[Conn] = []
+        self.opened = 0
+
+    async def take(self) -> tuple[Conn, bool]:
+        """A connection and whether it was reused (a reused one may have been closed by the server)."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return (reader, writer), True
+            await _close(writer)
+        self.opened += 1
+        return await asyncio.open_connection(self.ep.host, self.ep.port, limit=READ_LIMIT), False
+
+    def give_back(self, conn: Conn) -> None:
+        self.idle.append(conn)
+
+    async def close(self) -> None:
+        while self.idle:
+            await _close(self.idle.pop()[1])
+
+
+def _request_bytes(ep: Endpoint, method: str, path: str, body: Any, keep_alive: bool) -> bytes:
     data = b"" if body is None else orjson.dumps(body)
-    head = [f"{method} {path} HTTP/1.1", f"Host: {ep.host}:{ep.port}", "Connection: close",
-            f"Content-Length: {len(data)}"]
+    head = [f"{method} {path} HTTP/1.1", f"Host: {ep.host}:{ep.port}",
+            "Connection: keep-alive" if keep_alive else "Connection: close", f"Content-Length: {len(data)}"]
     if body is not None:
         head.append("Content-Type: application/json")
     if ep.api_key:
         head.append(f"Authorization: Bearer {ep.api_key}")
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+async def _send(ep: Endpoint, method: str, path: str, body: Any = None
+                ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(ep.host, ep.port, limit=READ_LIMIT)
+    writer.write(_request_bytes(ep, method, path, body, keep_alive=False))
     await writer.drain()
     return reader, writer
+
+
+async def _exchange(pool: ConnectionPool, method: str, path: str, body: Any
+                    ) -> tuple[Conn, int, dict[str, str]]:
+    """Send on a pooled connection and read the response head. A reused connection that the
+    server closed while idle (no response byte at all) is replaced by a fresh one, once."""
+    for _ in range(2):
+        conn, reused = await pool.take()
+        try:
+            conn[1].write(_request_bytes(pool.ep, method, path, body, keep_alive=True))
+            await conn[1].drain()
+            status, headers = await _read_head(conn[0])
+            return conn, status, headers
+        except (OSError, BenchError, asyncio.IncompleteReadError):
+            await _close(conn[1])
+            if not reused:
+                raise
+    raise BenchError("no connection")
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -396,18 +450,26 @@ def _error_text(status: int, body: Any) -> str:
     return f"HTTP {status}: {str(body)[:200]}"
 
 
-async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0: float) -> None:
+async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0: float,
+                            pool: ConnectionPool | None = None) -> None:
     """Send one streaming completion and fill `rec` (times relative to t0). Never raises for a
-    failed request: the failure goes into rec.error."""
+    failed request: the failure goes into rec.error. With a pool the request goes on a
+    keep-alive connection, given back once the response has been read to its end."""
     rec.start = time.perf_counter() - t0
     texts: list[str] = []
     usage: dict | None = None
     writer = None
+    reusable = False
     try:
-        reader, writer = await _send(ep, "POST", "/v1/completions", payload)
-        status, headers = await _read_head(reader)
+        if pool is None:
+            reader, writer = await _send(ep, "POST", "/v1/completions", payload)
+            status, headers = await _read_head(reader)
+        else:
+            (reader, writer), status, headers = await _exchange(pool, "POST", "/v1/completions", payload)
+        keep = pool is not None and headers.get("connection", "").lower() != "close"
         if status != 200:
             raw = b"".join([part async for part in _body_parts(reader, headers)])
+            reusable = keep
             try:
                 body: Any = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -416,7 +478,8 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
             return
         buf = b""
         done = False
-        async for part in _body_parts(reader, headers):
+        parts = _body_parts(reader, headers)
+        async for part in parts:
             now = time.perf_counter() - t0
             buf += part.replace(b"\r\n", b"\n")
             while b"\n\n" in buf and not done:
@@ -445,6 +508,10 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
                             texts.append(text)
             if done:
                 break
+        if done and keep:
+            async for _ in parts:  # the end of the chunked body, so the connection is clean
+                pass
+            reusable = True
         if not done:
             rec.error = "the stream ended without [DONE]"
         elif usage is None:
@@ -461,7 +528,10 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
         rec.end = time.perf_counter() - t0
         rec.text = "".join(texts)
         if writer is not None:
-            await _close(writer)
+            if reusable and pool is not None:
+                pool.give_back((reader, writer))
+            else:
+                await _close(writer)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -585,12 +655,14 @@ async def run_load(ep: Endpoint, model: str, prompts: list[Prompt], cfg: BenchCo
     records = [RequestRecord(index=p.index, input_tokens=len(p.token_ids), priority=p.priority)
                for p in prompts]
 
+    pool = ConnectionPool(ep)
+
     async def one(p: Prompt, rec: RequestRecord) -> None:
         if sem is None:
-            await stream_completion(ep, _payload(p, model, cfg), rec, t0)
+            await stream_completion(ep, _payload(p, model, cfg), rec, t0, pool)
         else:
             async with sem:
-                await stream_completion(ep, _payload(p, model, cfg), rec, t0)
+                await stream_completion(ep, _payload(p, model, cfg), rec, t0, pool)
         bar.advance()
 
     t0 = time.perf_counter()
@@ -600,7 +672,10 @@ async def run_load(ep: Endpoint, model: str, prompts: list[Prompt], cfg: BenchCo
         if wait > 0:
             await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(one(p, rec)))
-    await asyncio.gather(*tasks)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await pool.close()
     duration = max(max(r.end for r in records), 1e-9)
     bar.close()
     after = await read_metrics(ep)

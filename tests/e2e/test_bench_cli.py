@@ -111,3 +111,34 @@ def test_unreachable_server_is_a_clear_error() -> None:
     proc = vt_bench("--base-url", "http://127.0.0.1:9", "--num-prompts", "1", timeout=60.0)
     assert proc.returncode == 1
     assert "cannot reach the server" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_client_reuses_keep_alive_connections(vt_server) -> None:
+    """Requests in turn share one connection, an error response (400) included; every stream
+    is read whole before its connection is reused."""
+    import asyncio
+
+    from vt.bench import ConnectionPool, Endpoint, http_json, stream_completion
+    from vt.bench_stats import RequestRecord
+
+    async def run() -> tuple[list[RequestRecord], int]:
+        pool = ConnectionPool(Endpoint.from_url(vt_server.url))
+        _, models = await http_json(pool.ep, "GET", "/v1/models")
+        model = models["data"][0]["id"]
+        recs = [RequestRecord(index=i, input_tokens=3) for i in range(5)]
+        try:
+            for i, rec in enumerate(recs):
+                payload = {"model": model, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True,
+                           "ignore_eos": True, "stream_options": {"include_usage": True}}
+                if i == 2:
+                    payload["max_tokens"] = -1  # rejected with a 400
+                await stream_completion(pool.ep, payload, rec, 0.0, pool)
+        finally:
+            await pool.close()
+        return recs, pool.opened
+
+    recs, opened = asyncio.run(run())
+    assert [r.success for r in recs] == [True, True, False, True, True], [r.error for r in recs]
+    assert recs[2].error.startswith("HTTP 400")
+    assert all(r.output_tokens == 4 for i, r in enumerate(recs) if i != 2)
+    assert opened == 1
