@@ -31,21 +31,13 @@ __device__ __forceinline__ float key_val(unsigned int k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Counter-based Gumbel noise of base.py, bit for bit up to the last ulp of logf.
-__device__ __forceinline__ float gumbel(unsigned long long seed, unsigned long long offset, unsigned long long tok) {
-    unsigned long long x = seed * 0x9E3779B97F4A7C15ull + offset * 0xBF58476D1CE4E5B9ull + tok * 0x94D049BB133111EBull;
-    x ^= x >> 30;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 27;
-    x *= 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    float u = ((float)(unsigned int)(x >> 40) + 0.5f) * __int_as_float(0x33800000);  // * 2^-24
-    u = fminf(u, __int_as_float(0x3F7FFFFF));
-    return -logf(-logf(u));
+// Counter-based Gumbel noise of base.py, bit for bit up to the last ulp of logf, in two halves:
+// noise_u24 makes the 24 random bits of a token from `base` (the seed and offset part of the
+// hashed sum, mod 2^64), gumbel_u24 turns bits into noise. gumbel() is the two in turn.
+__device__ __forceinline__ unsigned long long noise_base(unsigned long long seed, unsigned long long offset) {
+    return seed * 0x9E3779B97F4A7C15ull + offset * 0xBF58476D1CE4E5B9ull;
 }
 
-// The 24 random bits gumbel() turns into noise (its integer half, with seed and offset folded
-// into `base` = seed * C_SEED + offset * C_OFFSET, the same sum mod 2^64).
 __device__ __forceinline__ unsigned int noise_u24(unsigned long long base, unsigned long long tok) {
     unsigned long long x = base + tok * 0x94D049BB133111EBull;
     x ^= x >> 30;
@@ -56,11 +48,14 @@ __device__ __forceinline__ unsigned int noise_u24(unsigned long long base, unsig
     return (unsigned int)(x >> 40);
 }
 
-// gumbel()'s float half for given bits.
 __device__ __forceinline__ float gumbel_u24(unsigned int m) {
-    float u = ((float)m + 0.5f) * __int_as_float(0x33800000);
+    float u = ((float)m + 0.5f) * __int_as_float(0x33800000);  // * 2^-24
     u = fminf(u, __int_as_float(0x3F7FFFFF));
     return -logf(-logf(u));
+}
+
+__device__ __forceinline__ float gumbel(unsigned long long seed, unsigned long long offset, unsigned long long tok) {
+    return gumbel_u24(noise_u24(noise_base(seed, offset), tok));
 }
 
 __device__ __forceinline__ bool allowed(float l) { return l == l && l > -VT_INF; }
@@ -390,7 +385,7 @@ __device__ void gumbel_argmax(const float* row, int begin, int end, float t, uns
     gup[threadIdx.x] = gumbel_u24(((threadIdx.x + 1u) << 14) - 1u) + 1e-3f;  // 1024 buckets of 2^14
     if (threadIdx.x == 0) s_best = 0u;
     __syncthreads();
-    const unsigned long long base = seed * 0x9E3779B97F4A7C15ull + off * 0xBF58476D1CE4E5B9ull;
+    const unsigned long long base = noise_base(seed, off);
     float thr = -VT_INF, rho = -VT_INF;
     float best = -VT_INF;  // locals, not the reference arguments, so they stay in registers
     int best_i = NO_ID;
