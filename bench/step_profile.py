@@ -45,7 +45,7 @@ def timeline(events: list[dict]) -> dict:
         if stop > start:
             covered += stop - start
             end = stop
-    span = max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]
+    span = end - events[0]["ts"]  # `end` is the latest end seen
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     return dict(span_us=span, idle_us=span - covered, copies=len(copies),
                 copy_us=sum(e["dur"] for e in copies))

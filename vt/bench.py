@@ -369,9 +369,10 @@ async def _send(ep: Endpoint, method: str, path: str, body: Any = None
 
 async def _exchange(pool: ConnectionPool, method: str, path: str, body: Any
                     ) -> tuple[Conn, int, dict[str, str]]:
-    """Send on a pooled connection and read the response head. A reused connection that the
-    server closed while idle (no response byte at all) is replaced by a fresh one, once."""
-    for _ in range(2):
+    """Send on a pooled connection and read the response head. A reused connection that fails
+    (the server closed it while idle) is dropped and the next one tried; a fresh one's failure
+    is the request's."""
+    while True:
         conn, reused = await pool.take()
         try:
             conn[1].write(_request_bytes(pool.ep, method, path, body, keep_alive=True))
@@ -382,7 +383,6 @@ async def _exchange(pool: ConnectionPool, method: str, path: str, body: Any
             await _close(conn[1])
             if not reused:
                 raise
-    raise BenchError("no connection")
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -528,7 +528,7 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
         rec.end = time.perf_counter() - t0
         rec.text = "".join(texts)
         if writer is not None:
-            if reusable and pool is not None:
+            if reusable:  # only ever set with a pool
                 pool.give_back((reader, writer))
             else:
                 await _close(writer)
