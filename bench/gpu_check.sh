@@ -58,6 +58,12 @@ for s in $steps; do
     peer8)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       peer_pair /tmp/q8 peer8 ;;
+    profile)
+      # Every kernel of a step (depth 1) and the depth-2 device timeline; the 8B build takes ~1 min.
+      for p in ${PRESETS:-0.6b 8b}; do
+        timeout 240 python3 bench/step_profile.py --preset $p --batch "${BATCH:-64}" 2>&1 | tail -60 \
+          | sed "s/^/$p /" | tee -a "$OUT/profile.log"
+      done ;;
     prefill)
       for p in 0.6b 8b; do
         timeout 200 python3 bench/prefill.py --preset $p --json "$OUT/prefill_$p.json" 2>&1 | tail -8 \
