@@ -161,7 +161,63 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         raise ProtocolError(str(e), rename.get(e.param, e.param)) from None
 
 
+# Fields that ask for output vt cannot give: ignoring them would hand back something the client
+# did not ask for (unbiased tokens, free text instead of JSON, no tool calls), so each is a 400.
+# A field counts as asked for when it is present and not null, false or empty.
+_UNSUPPORTED_BOTH = {
+    "logit_bias": "'logit_bias' is not supported",
+    "prompt_logprobs": "'prompt_logprobs' is not supported",
+    "use_beam_search": "beam search is not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "response_format": "'response_format' other than type 'text' is not supported",
+}
+_UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
+_UNSUPPORTED_CHAT = {
+    "tools": "tool calling is not supported; send 'tools' only with tool_choice 'none'",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+}
+
+
+def _asked_for(name: str, v: Any) -> bool:
+    if v is None or v is False or v == "" or v == [] or v == {}:
+        return False
+    if name == "response_format":
+        return not (isinstance(v, dict) and v.get("type") in (None, "text"))
+    return not (name == "function_call" and v == "none")
+
+
+def _reject_unsupported(body: dict[str, Any], table: dict[str, str]) -> None:
+    for name, message in table.items():
+        if name in body and _asked_for(name, body[name]):
+            raise ProtocolError(message, name)
+
+
+def _check_tool_choice(body: dict[str, Any]) -> None:
+    """Tools may come along only when the model is told not to call them (OpenAI's 'none')."""
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise ProtocolError("'tool_choice' must be a string or an object", "tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise ProtocolError("tool calling is not supported; tool_choice may only be 'none'",
+                            "tool_choice")
+    if _asked_for("tools", body.get("tools")) and choice != "none":
+        raise ProtocolError(_UNSUPPORTED_CHAT["tools"], "tools")
+
+
+def _best_of(body: dict[str, Any], n: int) -> None:
+    best_of = get_int(body, "best_of")
+    if best_of is not None and best_of != n:
+        raise ProtocolError(f"'best_of' other than n is not supported (best_of {best_of}, n {n})",
+                            "best_of")
+
+
 def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
+    _reject_unsupported(body, _UNSUPPORTED_BOTH)
     model = get_str(body, "model")
     stream = get_bool(body, "stream", False)
     include_usage = _include_usage(body, stream)
@@ -200,6 +256,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     model, stream, include_usage, priority = _common(body)
     if get_bool(body, "echo", False):
         raise ProtocolError("'echo' is not supported", "echo")
+    _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
     logprobs = get_int(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise ProtocolError(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {logprobs}",
@@ -207,6 +264,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     # the completions endpoint keeps OpenAI's historical default of 16 tokens
     max_tokens = get_int(body, "max_tokens", 16)
     params = _sampling_params(body, max_tokens, logprobs, {})
+    _best_of(body, params.n)
     return CompletionRequest(model=model, params=params, stream=stream, include_usage=include_usage,
                              priority=priority, prompt=prompt)
 
@@ -251,6 +309,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         raise ProtocolError("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
     model, stream, include_usage, priority = _common(body)
+    _reject_unsupported(body, {k: v for k, v in _UNSUPPORTED_CHAT.items() if k != "tools"})
+    _check_tool_choice(body)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs")
     if top is not None:
