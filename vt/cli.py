@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("give the model either as MODEL or as --model, not both")
             args.model = args.model_pos
         _positive(args, parser)
+        if args.command == "serve":
+            # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.
+            if not 0 <= args.port <= 65535:
+                parser.error(f"--port must be in [0, 65535], got {args.port}")
+            if args.shutdown_timeout < 0:
+                parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         cfg = _engine_config(args)
         if args.command == "serve":
             logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

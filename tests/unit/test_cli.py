@@ -40,6 +40,9 @@ def test_generate_json_is_greedy_and_reproducible(model: Path) -> None:
     (("serve", "--max-num-seqs", "0"), "--max-num-seqs must be at least 1"),
     (("generate", "--prompt", "x", "--max-tokens", "0"), "max_tokens"),
     (("serve", "--scheduling-policy", "lifo"), "invalid choice"),
+    (("serve", "--port", "99999"), "--port must be in [0, 65535]"),
+    (("serve", "--port", "-1"), "--port must be in [0, 65535]"),
+    (("serve", "--shutdown-timeout", "-5"), "--shutdown-timeout must be >= 0"),
 ])
 def test_bad_input_is_a_message_and_nonzero_exit(args: tuple[str, ...], needle: str) -> None:
     r = vt(*args)
