@@ -34,7 +34,7 @@ MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per sampled token: slotted and unfrozen, cheap to build
 class SampledToken:
     request_id: str
     token_id: int

@@ -80,6 +80,12 @@ class Tokenizer:
             i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._compiled: Any = None
+        try:  # tokenizers >= 0.21 streams decodes in Rust; older ones use DetokStream's own window
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            DecodeStream = HFTokenizer = None  # noqa: N806
+        self._decode_stream_cls = DecodeStream if HFTokenizer and isinstance(tok, HFTokenizer) else None
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
@@ -113,6 +119,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def raw(self) -> Any:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool) -> Any | None:
+        """A `tokenizers` DecodeStream primed with context_ids, or None where the installed
+        tokenizers has none (or cannot prime one)."""
+        if self._decode_stream_cls is None:
+            return None
+        try:
+            return self._decode_stream_cls(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except TypeError:
+            return None
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -194,6 +215,12 @@ class DetokStream:
         self._pending = ""                  # decoded text held back for stop matching
         self._parts: list[str] = []
         self.stop_str: str | None = None
+        # The same prefix/read window, kept in Rust: one call a token instead of two decodes and
+        # the list slicing around them (~1 us against ~3.3 us). The Python window above follows
+        # it, so a stream the Rust side rejects (it raises when a decoder rewrites the prefix)
+        # goes on in Python from the same place.
+        make = getattr(tokenizer, "decode_stream", None)
+        self._fast = make(self._ids, skip_special_tokens) if make is not None else None
 
     @property
     def text(self) -> str:
@@ -208,6 +235,17 @@ class DetokStream:
 
     def _decode_new(self) -> str:
         """Text the tokens since read_offset add, or "" while it ends in an incomplete character."""
+        if self._fast is not None:
+            try:
+                new = self._fast.step(self._tok.raw, self._ids[-1])
+            except Exception:
+                self._fast = None
+            else:
+                if new is None:
+                    return ""
+                self._prefix, self._read = self._read, len(self._ids)
+                self._trim()
+                return new
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         full = self._decode(self._ids[self._prefix:])
         if len(full) <= len(prefix_text) or full.endswith(REPLACEMENT_CHAR):

@@ -156,3 +156,15 @@ def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_re
     kv = 256 * 512 * 36 * 2 * 8 * 128 * 2 / ds.BANDWIDTH
     assert ds.roofline_seconds(mc, 256, 512) == pytest.approx(2 * matmul * 256 / ds.MATMUL_RATE + kv)
     assert ds.roofline_seconds(mc, 256, 512) > 1.1 * ds.floor_seconds(mc, 256, 512)
+
+
+def test_host_overhead_reports_server_cpu_per_token(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    proc = run_script("host_overhead.py", "--concurrency", "4", "--num-prompts", "8", "--output-len", "8",
+                      "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "server CPU us/token" in proc.stdout
+    (row,) = json.loads(out.read_text())
+    assert row["output_tok_s"] > 0 and row["cpu_us_per_token"] > 0
+    # every phase ran: the fake device step still goes through scheduling, staging and output
+    assert all(row[name] > 0 for name in ("schedule", "execute", "_collect", "_process"))

@@ -159,3 +159,59 @@ def test_special_tokens_in_stream(tok):
     assert d.text + d.flush() == "hi"
     d, parts = _stream(tok, ids, skip_special_tokens=False)
     assert "".join(parts) + d.flush() == "hi<|im_end|>"
+
+
+def _python_window(d: DetokStream) -> DetokStream:
+    d._fast = None  # the window in Python only, as where tokenizers has no DecodeStream
+    return d
+
+
+def _metaspace_tokenizer() -> Tokenizer:
+    """A sentencepiece-style tokenizer (Metaspace, byte fallback, a decoder that strips the
+    leading space): the kind whose decodes depend most on context."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from vt.model.make_model import training_corpus
+
+    hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    hf.train_from_iterator(training_corpus(400), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"] + bytes_, limit_alphabet=60,
+        show_progress=False))
+    spec = json.loads(hf.to_str())  # the byte tokens stay in the vocabulary, as ordinary tokens
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    return Tokenizer(HFTokenizer.from_str(json.dumps(spec)), eos_token="</s>")
+
+
+@pytest.mark.parametrize("which", ["byte_level", "metaspace"])
+def test_rust_and_python_windows_stream_the_same_chunks(tok, which):
+    t = tok if which == "byte_level" else _metaspace_tokenizer()
+    rng = np.random.default_rng(7)
+    samples = [t.encode(TEXT), t.encode("abc 鱻🦀 xyz one two")]
+    samples += [rng.integers(0, t.vocab_size + 5, size=60).tolist() for _ in range(15)]
+    for ids in samples:
+        for skip in (True, False):
+            for prompt in ((), t.encode("prompt: ")):
+                fast = DetokStream(t, list(prompt), skip_special_tokens=skip, stop=("xyz",))
+                assert fast._fast is not None
+                slow = _python_window(DetokStream(t, list(prompt), skip_special_tokens=skip, stop=("xyz",)))
+                assert [fast.push(i) for i in ids] == [slow.push(i) for i in ids]
+                assert fast.flush() == slow.flush() and fast.stop_str == slow.stop_str
+
+
+def test_a_stream_the_rust_side_rejects_goes_on_in_python(tok):
+    class Refuses:
+        def step(self, *_):
+            raise RuntimeError("InvalidPrefix")
+
+    ids = tok.encode(TEXT)
+    d = DetokStream(tok, tok.encode("prompt: "))
+    parts = [d.push(i) for i in ids[:5]]
+    d._fast = Refuses()
+    parts += [d.push(i) for i in ids[5:]]
+    assert d._fast is None
+    assert "".join(parts) + d.flush() == TEXT
