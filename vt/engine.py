@@ -373,38 +373,44 @@ class AsyncEngine:
                 self._finish(state, RequestStatus.FINISHED_ABORTED, "error", None, "", error=msg)
 
     def _process(self, out: StepOutput) -> None:
+        # Runs once per token of every request: the lookups are hoisted out of the loop.
         now = time.monotonic()
+        append_token, states, stats = self.scheduler.append_token, self._states, self._stats
+        itl = stats.inter_token_latency_seconds
+        finish = self._finish
         for tok in out.sampled:
-            req = self.scheduler.append_token(tok.request_id, tok.token_id)
-            state = self._states.get(tok.request_id)
+            token_id = tok.token_id
+            req = append_token(tok.request_id, token_id)
+            state = states.get(tok.request_id)
             if req is None or state is None or state.finished:
                 continue  # the extra step after a finish: dropped
-            self._stats.generation_tokens_total += 1
+            stats.generation_tokens_total += 1
             if state.first_token_time is None:
                 state.first_token_time = now
-                self._stats.time_to_first_token_seconds.observe(now - req.arrival)
+                stats.time_to_first_token_seconds.observe(now - req.arrival)
             else:
-                self._stats.inter_token_latency_seconds.observe(now - state.last_token_time)
+                itl.observe(now - state.last_token_time)
             state.last_token_time = now
+            params = req.params
             lp = None
-            if tok.logprob is not None and req.params.logprobs is not None:
-                lp = (TokenLogprob(tok.token_id, tok.logprob, tok.top[: req.params.logprobs]),)
+            if tok.logprob is not None and params.logprobs is not None:
+                lp = (TokenLogprob(token_id, tok.logprob, tok.top[: params.logprobs]),)
             num_out = len(req.output_token_ids)
-            text = state.detok.push(tok.token_id)
-            if tok.token_id in state.stop_ids and num_out > req.params.min_tokens:
-                reason = None if tok.token_id in self.eos_token_ids and tok.token_id not in \
-                    req.params.stop_token_ids else tok.token_id
-                self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", reason,
-                             text + state.detok.flush(), (tok.token_id,), lp)
-            elif state.detok.stop_str is not None:
-                self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", state.detok.stop_str, text,
-                             (tok.token_id,), lp)
+            detok = state.detok
+            text = detok.push(token_id)
+            if token_id in state.stop_ids and num_out > params.min_tokens:
+                reason = None if token_id in self.eos_token_ids and token_id not in \
+                    params.stop_token_ids else token_id
+                finish(state, RequestStatus.FINISHED_STOPPED, "stop", reason, text + detok.flush(),
+                       (token_id,), lp)
+            elif detok.stop_str is not None:
+                finish(state, RequestStatus.FINISHED_STOPPED, "stop", detok.stop_str, text, (token_id,), lp)
             elif num_out >= req.max_tokens:
-                self._finish(state, RequestStatus.FINISHED_LENGTH, "length", None,
-                             text + state.detok.flush(), (tok.token_id,), lp)
+                finish(state, RequestStatus.FINISHED_LENGTH, "length", None, text + detok.flush(),
+                       (token_id,), lp)
             else:
                 state.stream.put(RequestOutput(
-                    req.request_id, text, (tok.token_id,), lp, False, None, None,
+                    req.request_id, text, (token_id,), lp, False, None, None,
                     len(req.prompt_token_ids), num_out, req.num_cached_tokens))
 
     def _finish(self, state: _State, status: RequestStatus, reason: str, stop_reason: str | int | None,

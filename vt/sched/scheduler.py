@@ -347,11 +347,14 @@ class Scheduler:
         """Register each block whose tokens are all known and computed."""
         if not self.cfg.enable_prefix_caching:
             return
-        hashes = self._hashes.setdefault(req.request_id, [])
         bs = self.cfg.block_size
-        limit = min(req.num_computed_tokens, req.num_tokens) // bs
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        limit = min(req.num_computed_tokens, known) // bs
+        hashes = self._hashes.get(req.request_id)
+        if hashes is None:
+            hashes = self._hashes[req.request_id] = []
         if len(hashes) >= limit:
-            return
+            return  # the common case, twice a token: no block filled up
         for i in range(len(hashes), limit):
             parent = hashes[-1] if hashes else None
             block_tokens = _tokens(req, i * bs, (i + 1) * bs)
