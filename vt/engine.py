@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vt.config import EngineConfig, ModelConfig
@@ -85,16 +86,29 @@ class RequestStream:
     waiter rather than an asyncio.Queue, whose getter and putter bookkeeping cost ~2 us a token.
     """
 
-    __slots__ = ("engine", "request_id", "_items", "_waiter", "_done")
+    __slots__ = ("engine", "request_id", "_items", "_waiter", "_done", "_deliver")
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.engine, self.request_id = engine, request_id
         self._items: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future | None = None
         self._done = False
+        self._deliver: Callable[[RequestOutput], None] | None = None
+
+    def deliver_to(self, fn: Callable[[RequestOutput], None]) -> None:
+        """Hand every output to fn instead of queueing it for iteration. fn runs on the event
+        loop once the scheduler yields (after the next step is launched), in output order; it
+        must not raise (what it raises is logged)."""
+        self._deliver = fn
+        items, self._items = self._items, deque()
+        for out in items:
+            self.engine._post(fn, out)
 
     def put(self, out: RequestOutput) -> None:
         """Engine side: never blocks; wakes the reader if it waits."""
+        if self._deliver is not None:
+            self.engine._post(self._deliver, out)
+            return
         self._items.append(out)
         waiter = self._waiter
         if waiter is not None:
@@ -174,6 +188,8 @@ class AsyncEngine:
         self._step_rids: dict[int, list[str]] = {}  # step id -> request ids of its sequences
         self._last_done: float | None = None
         self._busy_after_done = False
+        # Outputs for streams with a delivery callback, handed over in one loop callback a step.
+        self._posted: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
@@ -249,6 +265,19 @@ class AsyncEngine:
         self._stats.prompt_tokens_total += n
         self._wakeup.set()
         return state.stream
+
+    def _post(self, fn: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+        if not self._posted:
+            asyncio.get_running_loop().call_soon(self._deliver_posted)
+        self._posted.append((fn, out))
+
+    def _deliver_posted(self) -> None:
+        posted, self._posted = self._posted, []
+        for fn, out in posted:
+            try:
+                fn(out)
+            except Exception:
+                log.exception("delivering an output of request %s failed", out.request_id)
 
     def abort(self, request_id: str) -> None:
         state = self._states.get(request_id)

@@ -19,7 +19,7 @@ import pytest
 from vt.config import EngineConfig
 from vt.engine import AsyncEngine
 from vt.http.openai_api import OpenAIApp
-from vt.http.server import HttpRequest, Response, StreamResponse
+from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.model.make_model import make_model
 
 TIMEOUT_S = 30.0  # any single request taking longer than this is a hang
@@ -76,7 +76,12 @@ async def _call(app: OpenAIApp, req: HttpRequest) -> tuple[int, Any]:
         resp = await app.handle(req)
         if isinstance(resp, StreamResponse):
             events = []
-            async for chunk in resp.chunks:
+            if isinstance(resp.chunks, PushBody):
+                chunks: list[bytes] = []
+                await resp.chunks.run(chunks.append)
+            else:
+                chunks = [chunk async for chunk in resp.chunks]
+            for chunk in chunks:
                 for line in chunk.decode().split("\n\n"):
                     if line.startswith("data: "):
                         data = line[len("data: "):]

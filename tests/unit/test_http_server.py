@@ -12,7 +12,7 @@ import pytest
 import uvloop
 
 from vt.http.errors import HttpError, error_body
-from vt.http.server import HttpLimits, HttpRequest, HttpServer, Response, StreamResponse
+from vt.http.server import HttpLimits, HttpRequest, HttpServer, PushBody, Response, StreamResponse
 
 TIMEOUT = 5.0  # generous bound so a broken server fails the test instead of hanging it
 
@@ -592,6 +592,91 @@ async def test_stream_error_mid_body_truncates_the_response(serve):
     await read_head(reader)
     assert await read_chunk(reader) == b"partial"
     assert await expect_eof(reader) == b""  # no terminating zero chunk
+
+
+async def test_push_body_chunks_arrive_in_order_and_end_the_body(serve):
+    bodies: list[PushBody] = []
+
+    aborted: list[str] = []
+
+    async def handler(req: HttpRequest) -> StreamResponse | Response:
+        if req.path != "/p":
+            return Response(200)
+        body = PushBody(on_abort=lambda: aborted.append(req.path))
+        body.send(b"data: early\n\n")  # before the head is written: held, then sent first
+        bodies.append(body)
+        return StreamResponse(200, body)
+
+    server = await serve(handler)
+    reader, writer = await connect(server)
+    writer.write(get("/p"))
+    status, headers = await read_head(reader)
+    assert status == 200 and headers["transfer-encoding"] == "chunked"
+    assert await read_chunk(reader) == b"data: early\n\n"
+    bodies[0].send(b"data: later\n\n")  # from a plain callback, no task of its own
+    bodies[0].send(b"")  # empty chunks would end a chunked body: skipped
+    assert await read_chunk(reader) == b"data: later\n\n"
+    bodies[0].end()
+    bodies[0].send(b"after the end")  # dropped
+    assert await read_chunk(reader) == b""
+    writer.write(get("/after"))  # the connection is still good
+    assert (await read_response(reader))[0] == 200
+    assert aborted == []  # a body that ended is not aborted
+    writer.close()
+
+
+async def test_push_body_disconnect_runs_on_abort_once(serve):
+    aborted: list[int] = []
+    bodies: list[PushBody] = []
+
+    async def handler(req: HttpRequest) -> StreamResponse:
+        body = PushBody(on_abort=lambda: aborted.append(1))
+        body.send(b"one")
+        bodies.append(body)
+        return StreamResponse(200, body)
+
+    server = await serve(handler)
+    reader, writer = await connect(server)
+    writer.write(get())
+    await read_head(reader)
+    assert await read_chunk(reader) == b"one"
+    writer.close()
+    for _ in range(200):
+        if aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert aborted == [1]
+    bodies[0].send(b"late")  # the producer may still send: nothing breaks
+    bodies[0].end()
+    await bodies[0].aclose()
+    assert aborted == [1]
+    for _ in range(100):
+        if server.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert server.in_flight == 0
+
+
+async def test_push_body_failure_truncates_and_head_request_aborts(serve):
+    aborted: list[str] = []
+
+    async def handler(req: HttpRequest) -> StreamResponse:
+        body = PushBody(on_abort=lambda: aborted.append(req.method))
+        body.send(b"partial")
+        if req.method == "GET":
+            asyncio.get_running_loop().call_later(0.05, body.end, False)
+        return StreamResponse(200, body)
+
+    server = await serve(handler)
+    reader, writer = await connect(server)
+    writer.write(b"HEAD / HTTP/1.1\r\nHost: t\r\n\r\n")
+    status, headers = await read_head(reader)
+    assert status == 200
+    writer.write(get())  # the HEAD answer had no body: the next response follows at once
+    await read_head(reader)
+    assert await read_chunk(reader) == b"partial"
+    assert await expect_eof(reader) == b""  # no terminating zero chunk
+    assert aborted == ["HEAD"]
 
 
 # -- shutdown -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from vt.engine import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
-from vt.http.server import HttpRequest, Response, StreamResponse
+from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.stats import EngineStats
 
 MODEL = "tiny-model"
@@ -56,12 +56,30 @@ class CharTokenizer:
 
 
 class FakeStream:
-    def __init__(self, outputs: list[Out], gate: asyncio.Event | None) -> None:
+    """Outputs by iteration, or handed to a callback (deliver_to), as the engine's streams do."""
+
+    def __init__(self, request_id: str, outputs: list[Out], gate: asyncio.Event | None) -> None:
+        self.request_id = request_id
         self._outputs = list(outputs)
         self._gate = gate
         self.done = False
         self.aborted = False
         self.closed = False
+        self.pump: asyncio.Task | None = None
+
+    def deliver_to(self, fn) -> None:
+        async def pump() -> None:
+            while not self.done and self._outputs:
+                if self._gate is not None:
+                    await self._gate.wait()
+                await asyncio.sleep(0)
+                if self.done:
+                    return  # aborted meanwhile
+                out = self._outputs.pop(0)
+                self.done = out.finished
+                fn(out)
+
+        self.pump = asyncio.ensure_future(pump())
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -124,12 +142,15 @@ class FakeEngine:
             outs.append(Out(request_id, piece, (tid,), lps, last, reason,
                             self.stop_reason if last else None, len(prompt_token_ids), k + 1,
                             error=self.fail_output if last else None))
-        stream = FakeStream(outs, self.gate)
+        stream = FakeStream(request_id, outs, self.gate)
         self.streams.append(stream)
         return stream
 
     def abort(self, request_id):
         self.aborted.append(request_id)
+        for stream in self.streams:
+            if stream.request_id == request_id and not stream.done:
+                stream.done = stream.aborted = True
 
     def stats(self) -> EngineStats:
         s = EngineStats(num_requests_running=3, generation_tokens_total=42)
@@ -161,8 +182,13 @@ def jbody(resp: Response) -> dict:
 async def read_sse(resp: StreamResponse) -> list:
     """Parse a whole SSE body into JSON events; the final [DONE] sentinel becomes the string 'DONE'."""
     raw = b""
-    async for chunk in resp.chunks:
-        raw += chunk
+    if isinstance(resp.chunks, PushBody):
+        parts: list[bytes] = []
+        assert await resp.chunks.run(parts.append)
+        raw = b"".join(parts)
+    else:
+        async for chunk in resp.chunks:
+            raw += chunk
     assert raw.endswith(b"\n\n")
     events = []
     for frame in raw.split(b"\n\n")[:-1]:
@@ -638,3 +664,32 @@ def test_render_metrics_histogram_and_labels():
     assert "# TYPE vt:time_to_first_token_seconds histogram" in lines
     assert "# TYPE vt:kv_cache_usage_perc gauge" in lines
     assert text.endswith("\n")
+
+
+@pytest.mark.parametrize("text", ["", "Hel", ' "quoted" \\ back', "鱻🦀\u2028\x00\x1f\t\n",
+                                  "\x00vt-text\x00"])
+def test_plain_token_events_are_byte_for_byte_the_general_ones(text):
+    from vt.http.openai_api import _sse, _TextEvents
+
+    def event(index, t):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": MODEL,
+                "choices": [{"index": index, "text": t, "logprobs": None, "finish_reason": None,
+                             "stop_reason": None}], "usage": None}
+
+    events = _TextEvents(event)
+    for index in (0, 3, 0):
+        assert events(index, text) == _sse(event(index, text))
+
+
+async def test_stream_tokens_carry_the_same_fields_with_and_without_usage(app):
+    for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        for usage in (False, True):
+            extra = {"stream_options": {"include_usage": True}} if usage else {}
+            events = await read_sse(await call(app, "POST", route, {**body, "stream": True, **extra}))
+            tokens = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"] is None
+                      and "role" not in e["choices"][0].get("delta", {})]
+            assert tokens, events
+            for e in tokens:
+                keys = ["id", "object", "created", "model", "choices"] + (["usage"] if usage else [])
+                assert list(e) == keys
+                assert e["choices"][0]["stop_reason"] is None and e["choices"][0]["logprobs"] is None

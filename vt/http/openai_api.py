@@ -33,7 +33,7 @@ from vt.http.protocol import (
     parse_json_object,
     parse_messages,
 )
-from vt.http.server import HttpRequest, Response, StreamResponse
+from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 
 log = logging.getLogger("vt.http")
 
@@ -49,6 +49,27 @@ def _json(obj: Any, status: int = 200, headers: list[tuple[str, str]] | None = N
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+_HOLE = "\x00vt-text\x00"
+
+
+class _TextEvents:
+    """The SSE event of a plain token (no logprobs, not the last), byte for byte what _sse would
+    make of `event(index, text)`: the bytes around the text are serialised once per choice and
+    only the text is encoded per token, instead of a dict of dicts."""
+
+    def __init__(self, event: Callable[[int, str], dict[str, Any]]) -> None:
+        self._event = event
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        parts = self._parts.get(index)
+        if parts is None:
+            whole = _sse(self._event(index, _HOLE))
+            before, after = whole.split(orjson.dumps(_HOLE))
+            parts = self._parts[index] = (before, after)
+        return parts[0] + orjson.dumps(text) + parts[1]
 
 
 def _version() -> str:
@@ -145,6 +166,30 @@ async def _close_all(streams: list[Any]) -> None:
             await s.aclose()
         except Exception:
             log.exception("closing a request stream failed")
+
+
+@dataclass
+class _Events:
+    """The SSE events of one streamed response: `first` before any output, `output(i, out)` for
+    each engine output of choice i (an error's events end with DONE: the stream stops there),
+    `last()` once every choice has finished."""
+
+    first: list[bytes]
+    output: Callable[[int, Any], list[bytes]]
+    last: Callable[[], list[bytes]]
+
+
+async def _pull_events(streams: list[Any], events: _Events) -> AsyncIterator[bytes]:
+    for data in events.first:
+        yield data
+    async for i, out in _merge(streams):
+        datas = events.output(i, out)
+        for data in datas:
+            yield data
+        if datas and datas[-1] is DONE:
+            return
+    for data in events.last():
+        yield data
 
 
 class _SseBody:
@@ -383,8 +428,8 @@ class OpenAIApp:
         prompt_ids = self._completion_prompt_ids(r.prompt)
         base_id, created, streams, choices = self._launch("cmpl", prompt_ids, r)
         if r.stream:
-            gen = self._completion_chunks(base_id, created, r, len(prompt_ids), streams, choices)
-            return StreamResponse(200, _SseBody(gen, streams))
+            return self._stream_response(
+                streams, self._completion_events(base_id, created, r, len(prompt_ids), choices))
         await self._collect(req, streams, choices)
         want_lp = r.params.logprobs is not None
         return _json({
@@ -397,20 +442,30 @@ class OpenAIApp:
             "usage": self._usage(len(prompt_ids), choices),
         })
 
-    async def _completion_chunks(self, base_id: str, created: int, r: CompletionRequest, num_prompt: int,
-                                 streams: list[Any], choices: list[_Choice]) -> AsyncIterator[bytes]:
+    def _completion_events(self, base_id: str, created: int, r: CompletionRequest, num_prompt: int,
+                           choices: list[_Choice]) -> _Events:
         want_lp = r.params.logprobs is not None
         head = {"id": base_id, "object": "text_completion", "created": created,
                 "model": self.served_model_name}
-        async for i, out in _merge(streams):
+
+        def plain(index: int, text: str) -> dict[str, Any]:
+            event = {**head, "choices": [{"index": index, "text": text, "logprobs": None,
+                                          "finish_reason": None, "stop_reason": None}]}
+            if r.include_usage:
+                event["usage"] = None
+            return event
+
+        plain_event = _TextEvents(plain)
+
+        def output(i: int, out: Any) -> list[bytes]:
             c = choices[i]
             c.update(out)
+            if not out.finished and not want_lp and (out.text or out.token_ids):
+                return [plain_event(i, out.text)]
             if out.finished and out.finish_reason == "error":
-                yield _error_event(out)
-                yield DONE
-                return
+                return [_error_event(out), DONE]
             if _nothing_new(out):
-                continue
+                return []
             choice = {
                 "index": i, "text": out.text,
                 "logprobs": self._completion_logprobs(list(out.logprobs or ()), c) if want_lp else None,
@@ -420,10 +475,13 @@ class OpenAIApp:
             chunk = {**head, "choices": [choice]}
             if r.include_usage:
                 chunk["usage"] = None
-            yield _sse(chunk)
-        if r.include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})
-        yield DONE
+            return [_sse(chunk)]
+
+        def last() -> list[bytes]:
+            usage = [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})]
+            return (usage if r.include_usage else []) + [DONE]
+
+        return _Events([], output, last)
 
     # --- /v1/chat/completions ---
 
@@ -435,8 +493,8 @@ class OpenAIApp:
             raise ProtocolError("the messages render to an empty prompt", "messages")
         base_id, created, streams, choices = self._launch("chatcmpl", prompt_ids, r)
         if r.stream:
-            gen = self._chat_chunks(base_id, created, r, len(prompt_ids), streams, choices)
-            return StreamResponse(200, _SseBody(gen, streams))
+            return self._stream_response(
+                streams, self._chat_events(base_id, created, r, len(prompt_ids), choices))
         await self._collect(req, streams, choices)
         return _json({
             "id": base_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
@@ -449,8 +507,8 @@ class OpenAIApp:
             "usage": self._usage(len(prompt_ids), choices),
         })
 
-    async def _chat_chunks(self, base_id: str, created: int, r: ChatRequest, num_prompt: int,
-                           streams: list[Any], choices: list[_Choice]) -> AsyncIterator[bytes]:
+    def _chat_events(self, base_id: str, created: int, r: ChatRequest, num_prompt: int,
+                     choices: list[_Choice]) -> _Events:
         head = {"id": base_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
 
@@ -460,26 +518,61 @@ class OpenAIApp:
                 body["usage"] = None
             return _sse(body)
 
-        for c in choices:
-            yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None})
-        async for i, out in _merge(streams):
+        plain_event = _TextEvents(lambda index, text: {**head, "choices": [{
+            "index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+            "stop_reason": None}], **({"usage": None} if r.include_usage else {})})
+        first = [chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}) for c in choices]
+
+        def output(i: int, out: Any) -> list[bytes]:
             choices[i].update(out)
+            if not out.finished and not r.want_logprobs and (out.text or out.token_ids):
+                return [plain_event(i, out.text)]
             if out.finished and out.finish_reason == "error":
-                yield _error_event(out)
-                yield DONE
-                return
+                return [_error_event(out), DONE]
             if _nothing_new(out):
-                continue
-            yield chunk({
+                return []
+            return [chunk({
                 "index": i, "delta": {"content": out.text} if out.text or out.token_ids else {},
                 "logprobs": self._chat_logprobs(list(out.logprobs or ())) if r.want_logprobs else None,
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
-            })
-        if r.include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})
-        yield DONE
+            })]
+
+        def last() -> list[bytes]:
+            usage = [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})]
+            return (usage if r.include_usage else []) + [DONE]
+
+        return _Events(first, output, last)
+
+    def _stream_response(self, streams: list[Any], events: _Events) -> StreamResponse:
+        """One choice: the engine hands each output to a callback that writes its events into the
+        response (no task wakes per token). Several choices are merged by a generator."""
+        if len(streams) == 1:
+            stream = streams[0]
+            body = PushBody(on_abort=lambda: self.engine.abort(stream.request_id))
+            for data in events.first:
+                body.send(data)
+
+            def deliver(out: Any) -> None:
+                try:
+                    datas = events.output(0, out)
+                    for data in datas:
+                        body.send(data)
+                    if datas and datas[-1] is DONE:  # the engine failed the request
+                        body.end()
+                    elif out.finished:
+                        for data in events.last():
+                            body.send(data)
+                        body.end()
+                except Exception:
+                    log.exception("writing a stream event failed")
+                    body.end(ok=False)
+                    self.engine.abort(stream.request_id)
+
+            stream.deliver_to(deliver)
+            return StreamResponse(200, body)
+        return StreamResponse(200, _SseBody(_pull_events(streams, events), streams))
 
     # --- small routes ---
 

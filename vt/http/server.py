@@ -84,12 +84,66 @@ class Response:
 
 @dataclass
 class StreamResponse:
-    """A chunked response: each bytes object the iterator yields is written as one chunk."""
+    """A chunked response: each bytes object the iterator yields (or the PushBody is sent) is
+    written as one chunk."""
 
     status: int
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncIterator[bytes] | PushBody
     content_type: str = "text/event-stream"
     headers: list = field(default_factory=list)
+
+
+class PushBody:
+    """A chunked body that its producer writes into from plain callbacks, so no task wakes per
+    chunk (a StreamResponse's iterator costs a task step and a few frames a chunk).
+
+    The producer calls send() per chunk and end() once (ok=False: it broke, and the body is left
+    unterminated, as for a failing iterator). Chunks sent before the server has written the head
+    wait in a list. If the connection goes first the server calls aclose(), which runs on_abort.
+    """
+
+    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
+        self._on_abort = on_abort
+        self._emit: Callable[[bytes], None] | None = None
+        self._waiting: list[bytes] = []
+        self._ended = False
+        self._ok = True
+        self._closed = False
+        self._done: asyncio.Future | None = None
+
+    def send(self, chunk: bytes) -> None:
+        if self._ended or self._closed:
+            return
+        if self._emit is None:
+            self._waiting.append(chunk)
+        else:
+            self._emit(chunk)
+
+    def end(self, ok: bool = True) -> None:
+        if self._ended:
+            return
+        self._ended, self._ok = True, ok
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    async def run(self, emit: Callable[[bytes], None]) -> bool:
+        """Server side: write what waited, then everything sent until end(); its ok flag."""
+        self._emit = emit
+        waiting, self._waiting = self._waiting, []
+        for chunk in waiting:
+            emit(chunk)
+        if not self._ended:
+            self._done = asyncio.get_running_loop().create_future()
+            await self._done
+        return self._ok
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._emit = None
+        if not self._ended and self._on_abort is not None:
+            self._on_abort()
 
 
 Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
@@ -482,6 +536,15 @@ class _Connection(asyncio.Protocol):
         try:
             if item.is_head:
                 completed = True
+            elif isinstance(chunks, PushBody):
+                def emit(chunk: bytes) -> None:
+                    if chunk and not self._closed:
+                        self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else bytes(chunk))
+
+                if await chunks.run(emit) and not self._closed:
+                    if chunked:
+                        self._write(b"0\r\n\r\n")
+                    completed = True
             else:
                 async for chunk in chunks:
                     if self._closed:
