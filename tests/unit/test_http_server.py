@@ -113,6 +113,15 @@ async def expect_closed(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
+async def eventually(cond, timeout: float = TIMEOUT) -> bool:
+    """Poll cond until it holds or the timeout passes; its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return cond()
+
+
 def get(path: str = "/", extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: t\r\n{extra}\r\n".encode()
 
@@ -514,11 +523,7 @@ async def test_client_disconnect_mid_stream_closes_the_iterator(serve):
     writer.close()
     await asyncio.wait_for(finalized.wait(), TIMEOUT)
     await asyncio.wait_for(requests[0].disconnected.wait(), TIMEOUT)
-    for _ in range(100):
-        if server.in_flight == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert server.in_flight == 0
+    assert await eventually(lambda: server.in_flight == 0)
 
 
 async def test_disconnect_sets_event_for_a_running_handler(serve):
@@ -641,20 +646,13 @@ async def test_push_body_disconnect_runs_on_abort_once(serve):
     await read_head(reader)
     assert await read_chunk(reader) == b"one"
     writer.close()
-    for _ in range(200):
-        if aborted:
-            break
-        await asyncio.sleep(0.01)
+    assert await eventually(lambda: bool(aborted))
     assert aborted == [1]
     bodies[0].send(b"late")  # the producer may still send: nothing breaks
     bodies[0].end()
     await bodies[0].aclose()
     assert aborted == [1]
-    for _ in range(100):
-        if server.in_flight == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert server.in_flight == 0
+    assert await eventually(lambda: server.in_flight == 0)
 
 
 async def test_push_body_failure_truncates_and_head_request_aborts(serve):
