@@ -445,6 +445,33 @@ def test_generated_tokens_are_cached_once_computed():
     assert b.start_pos == 4
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_block_generation_fills_is_cached(depth):
+    # Decode steps fill block after block; each is registered once known and computed, also
+    # after a preemption recomputes the request, and at depth 2 where a token is in flight.
+    s = Scheduler(_cfg())
+    s.add(_req("a", [1, 2, 3], max_tokens=4 * BS + 2))
+    nxt = iter(range(100, 200))
+    produced: list[int] = []
+    pending = []
+    for step in range(4 * BS + 1):
+        pending.append(s.schedule())
+        if step == 2 * BS:
+            s._preempt(s.get("a"), set())  # recompute from scratch, then go on
+        if len(pending) >= depth:
+            batch = pending.pop(0)
+            if any(q.sample for q in batch.seqs):
+                tok = next(nxt)
+                if s.append_token("a", tok) is not None:
+                    produced.append(tok)
+    s.finish("a", RequestStatus.FINISHED_STOPPED)
+    history = [1, 2, 3] + produced
+    computed_blocks = (len(history) - depth) // BS  # the newest tokens may not be computed yet
+    s.add(_req("b", history + [999]))
+    (b,) = s.schedule().seqs
+    assert b.start_pos >= computed_blocks * BS >= 2 * BS
+
+
 def test_prefix_caching_off():
     s = Scheduler(_cfg(enable_prefix_caching=False))
     s.add(_req("a", list(range(1, 11))))

@@ -43,6 +43,8 @@ class Request:
     num_cached_tokens: int = 0          # prefix-cache hit length at the last admission
     num_preemptions: int = 0
     needs_row: bool = True              # the runner must (re)build this request's sampler row
+    next_full_at: int = 0               # known-and-computed tokens at which the next block to
+                                        # register fills up (0: not tracked, check now)
 
     @property
     def num_tokens(self) -> int:

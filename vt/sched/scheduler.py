@@ -138,7 +138,9 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} has no sampled token in flight")
         req.num_pending -= 1
         req.output_token_ids.append(token_id)
-        if req.status == RequestStatus.RUNNING:
+        if req.status == RequestStatus.RUNNING and \
+                min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)) \
+                >= req.next_full_at:
             self._register_full_blocks(req)
         return req
 
@@ -215,6 +217,7 @@ class Scheduler:
             req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             self._hashes[req.request_id] = self._chain(tokens, len(hit_blocks))
+            req.next_full_at = 0
             if cfg.policy == "priority":
                 bisect.insort(self._running, req, key=self._key)
             else:
@@ -294,7 +297,9 @@ class Scheduler:
             new = NewRequestData(prompt_token_ids=tuple(req.prompt_token_ids),
                                  output_token_ids=tuple(req.output_token_ids), params=req.params)
             req.needs_row = False
-        self._register_full_blocks(req)
+        if min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)) \
+                >= req.next_full_at:
+            self._register_full_blocks(req)
         return ScheduledSeq(request_id=req.request_id, start_pos=start, num_tokens=n,
                             token_ids=token_ids, from_last=from_last, block_ids=tuple(req.block_ids),
                             sample=sample, output_index=output_index, new=new)
@@ -320,6 +325,7 @@ class Scheduler:
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
         self._hashes.pop(req.request_id, None)
+        req.next_full_at = 0
 
     def _find_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
         if not self.cfg.enable_prefix_caching:
@@ -346,6 +352,7 @@ class Scheduler:
     def _register_full_blocks(self, req: Request) -> None:
         """Register each block whose tokens are all known and computed."""
         if not self.cfg.enable_prefix_caching:
+            req.next_full_at = 1 << 62  # nothing to register, ever
             return
         bs = self.cfg.block_size
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -353,12 +360,12 @@ class Scheduler:
         hashes = self._hashes.get(req.request_id)
         if hashes is None:
             hashes = self._hashes[req.request_id] = []
-        if len(hashes) >= limit:
-            return  # the common case, twice a token: no block filled up
         for i in range(len(hashes), limit):
             parent = hashes[-1] if hashes else None
             block_tokens = _tokens(req, i * bs, (i + 1) * bs)
             hashes.append(self.pool.register_full(req.block_ids[i], parent, block_tokens))
+        # Callers skip this method until the next block fills: it was ~1.5 us twice a token.
+        req.next_full_at = (len(hashes) + 1) * bs
 
     # ---- integrity ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
