@@ -61,6 +61,7 @@ class _Row:
     params: SamplingParams
     eos_ids: tuple[int, ...]
     penalized: bool
+    num_blocks: int = 0   # entries of the row's block table line written so far
 
 
 class _SlotBuffers:
@@ -171,6 +172,9 @@ class ModelRunner:
         # Sampling parameters by sampler row, set at admission: a step gathers its rows' values
         # with one indexed copy per field instead of per-sequence scalar stores.
         self.row_params = {name: np.zeros(rows, dt) for name, dt in _ROW_PARAM_FIELDS}
+        # Block table lines by sampler row, kept across steps: a running request's blocks only
+        # grow, so a step writes the new entries and gathers its rows' lines in one take.
+        self.row_blocks = np.zeros((rows, self.max_blocks), np.int32)
         self.step_id = 0
         self.prev_slot: int | None = None
         # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
@@ -230,6 +234,7 @@ class ModelRunner:
         penalized = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0)
         row = _Row(self.free_rows.pop(), p, eos_ids, penalized)
         self.rows[request_id] = row
+        self.row_blocks[row.index].fill(0)
         values = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
                   np.uint64(p.seed if p.seed is not None else 0).astype(np.int64), p.presence_penalty,
                   p.frequency_penalty, p.repetition_penalty)
@@ -276,7 +281,7 @@ class ModelRunner:
         decode_only = True
         mb = max(len(s.block_ids) for s in seqs)
         bt_h = buf.block_tables[0][: nseq * mb].reshape(nseq, mb)
-        bt_h.fill(0)
+        row_blocks = self.row_blocks
         ban_h = buf.ban[0][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED)
         ban_h.fill(-1)
         # Per-token and per-sequence values go to Python lists first and into the pinned buffers
@@ -317,7 +322,14 @@ class ModelRunner:
                 pos = np.arange(p0, p0 + n, dtype=np.int32)
                 pos_l.extend(pos.tolist())
                 slots_l.extend((np.asarray(blocks, dtype=np.int32)[pos // bs] * bs + pos % bs).tolist())
-            bt_h[b, : len(blocks)] = blocks
+            nb = len(blocks)
+            if nb != row.num_blocks:
+                if nb > row.num_blocks:  # the usual change: blocks appended
+                    row_blocks[row.index, row.num_blocks: nb] = blocks[row.num_blocks:]
+                else:
+                    row_blocks[row.index].fill(0)
+                    row_blocks[row.index, :nb] = blocks
+                row.num_blocks = nb
             t += n
             ends.append(t)
             lens.append(p0 + n)
@@ -348,6 +360,7 @@ class ModelRunner:
         buf.offsets[0][:nseq] = offsets
         buf.sample_rows[0][:nseq] = sample_rows
         idx = np.asarray(row_idx, dtype=np.intp)
+        np.take(row_blocks[:, :mb], idx, axis=0, out=bt_h)
         for name, _ in _ROW_PARAM_FIELDS:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
         plan = _Plan(sample_req, logprobs_k)
