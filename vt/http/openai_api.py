@@ -478,8 +478,9 @@ class OpenAIApp:
             return [_sse(chunk)]
 
         def last() -> list[bytes]:
-            usage = [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})]
-            return (usage if r.include_usage else []) + [DONE]
+            if not r.include_usage:
+                return [DONE]
+            return [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)}), DONE]
 
         return _Events([], output, last)
 
@@ -540,8 +541,9 @@ class OpenAIApp:
             })]
 
         def last() -> list[bytes]:
-            usage = [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)})]
-            return (usage if r.include_usage else []) + [DONE]
+            if not r.include_usage:
+                return [DONE]
+            return [_sse({**head, "choices": [], "usage": self._usage(num_prompt, choices)}), DONE]
 
         return _Events(first, output, last)
 
