@@ -58,6 +58,8 @@ for s in $steps; do
     peer8)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       peer_pair /tmp/q8 peer8 ;;
+    host)  # the serving host's CPU cost per token (no GPU used): what bounds high-concurrency rows
+      timeout 200 python3 bench/host_overhead.py --repeats 3 2>&1 | tail -6 | tee "$OUT/host.log" ;;
     profile)
       # Every kernel of a step (depth 1) and the depth-2 device timeline; the 8B build takes ~1 min.
       for p in ${PRESETS:-0.6b 8b}; do
