@@ -680,6 +680,11 @@ def test_plain_token_events_are_byte_for_byte_the_general_ones(text):
     for index in (0, 3, 0):
         assert events(index, text) == _sse(event(index, text))
 
+    def odd(index, t):  # the marker in a field around the text
+        return {**event(index, t), "model": "\x00vt-text\x00"}
+
+    assert _TextEvents(odd)(0, text) == _sse(odd(0, text))
+
 
 async def test_stream_tokens_carry_the_same_fields_with_and_without_usage(app):
     for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):

@@ -61,14 +61,14 @@ class _TextEvents:
 
     def __init__(self, event: Callable[[int, str], dict[str, Any]]) -> None:
         self._event = event
-        self._parts: dict[int, tuple[bytes, bytes]] = {}
+        self._parts: dict[int, list[bytes]] = {}
 
     def __call__(self, index: int, text: str) -> bytes:
         parts = self._parts.get(index)
         if parts is None:
-            whole = _sse(self._event(index, _HOLE))
-            before, after = whole.split(orjson.dumps(_HOLE))
-            parts = self._parts[index] = (before, after)
+            parts = self._parts[index] = _sse(self._event(index, _HOLE)).split(orjson.dumps(_HOLE))
+        if len(parts) != 2:  # the marker occurs elsewhere too (a model named so): no shortcut
+            return _sse(self._event(index, text))
         return parts[0] + orjson.dumps(text) + parts[1]
 
 
