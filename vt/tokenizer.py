@@ -221,6 +221,7 @@ class DetokStream:
         # goes on in Python from the same place.
         make = getattr(tokenizer, "decode_stream", None)
         self._fast = make(self._ids, skip_special_tokens) if make is not None else None
+        self._raw = tokenizer.raw if self._fast is not None else None
 
     @property
     def text(self) -> str:
@@ -237,7 +238,7 @@ class DetokStream:
         """Text the tokens since read_offset add, or "" while it ends in an incomplete character."""
         if self._fast is not None:
             try:
-                new = self._fast.step(self._tok.raw, self._ids[-1])
+                new = self._fast.step(self._raw, self._ids[-1])
             except Exception:
                 self._fast = None
             else:

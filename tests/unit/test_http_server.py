@@ -122,6 +122,15 @@ async def eventually(cond, timeout: float = TIMEOUT) -> bool:
     return cond()
 
 
+async def hang_up_after_first_chunk(server: HttpServer, first: bytes) -> None:
+    """GET a stream, read its head and first chunk (which must be `first`), then disconnect."""
+    reader, writer = await connect(server)
+    writer.write(get())
+    await read_head(reader)
+    assert await read_chunk(reader) == first
+    writer.close()
+
+
 def get(path: str = "/", extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: t\r\n{extra}\r\n".encode()
 
@@ -516,11 +525,7 @@ async def test_client_disconnect_mid_stream_closes_the_iterator(serve):
         return StreamResponse(200, chunks())
 
     server = await serve(handler)
-    reader, writer = await connect(server)
-    writer.write(get())
-    await read_head(reader)
-    assert await read_chunk(reader) == b"one"
-    writer.close()
+    await hang_up_after_first_chunk(server, b"one")
     await asyncio.wait_for(finalized.wait(), TIMEOUT)
     await asyncio.wait_for(requests[0].disconnected.wait(), TIMEOUT)
     assert await eventually(lambda: server.in_flight == 0)
@@ -641,11 +646,7 @@ async def test_push_body_disconnect_runs_on_abort_once(serve):
         return StreamResponse(200, body)
 
     server = await serve(handler)
-    reader, writer = await connect(server)
-    writer.write(get())
-    await read_head(reader)
-    assert await read_chunk(reader) == b"one"
-    writer.close()
+    await hang_up_after_first_chunk(server, b"one")
     assert await eventually(lambda: bool(aborted))
     assert aborted == [1]
     bodies[0].send(b"late")  # the producer may still send: nothing breaks

@@ -177,10 +177,10 @@ _UNSUPPORTED_BOTH = {
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
 _UNSUPPORTED_CHAT = {
-    "tools": "tool calling is not supported; send 'tools' only with tool_choice 'none'",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
 }
+_TOOLS_UNSUPPORTED = "tool calling is not supported; send 'tools' only with tool_choice 'none'"
 
 
 def _asked_for(name: str, v: Any) -> bool:
@@ -206,7 +206,7 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
         raise ProtocolError("tool calling is not supported; tool_choice may only be 'none'",
                             "tool_choice")
     if _asked_for("tools", body.get("tools")) and choice != "none":
-        raise ProtocolError(_UNSUPPORTED_CHAT["tools"], "tools")
+        raise ProtocolError(_TOOLS_UNSUPPORTED, "tools")
 
 
 def _best_of(body: dict[str, Any], n: int) -> None:
@@ -309,7 +309,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         raise ProtocolError("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
     model, stream, include_usage, priority = _common(body)
-    _reject_unsupported(body, {k: v for k, v in _UNSUPPORTED_CHAT.items() if k != "tools"})
+    _reject_unsupported(body, _UNSUPPORTED_CHAT)
     _check_tool_choice(body)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs")

@@ -138,10 +138,8 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} has no sampled token in flight")
         req.num_pending -= 1
         req.output_token_ids.append(token_id)
-        if req.status == RequestStatus.RUNNING and \
-                min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)) \
-                >= req.next_full_at:
-            self._register_full_blocks(req)
+        if req.status == RequestStatus.RUNNING:
+            self._register_if_filled(req)
         return req
 
     # ---- scheduling ---------------------------------------------------------------------------
@@ -297,9 +295,7 @@ class Scheduler:
             new = NewRequestData(prompt_token_ids=tuple(req.prompt_token_ids),
                                  output_token_ids=tuple(req.output_token_ids), params=req.params)
             req.needs_row = False
-        if min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)) \
-                >= req.next_full_at:
-            self._register_full_blocks(req)
+        self._register_if_filled(req)
         return ScheduledSeq(request_id=req.request_id, start_pos=start, num_tokens=n,
                             token_ids=token_ids, from_last=from_last, block_ids=tuple(req.block_ids),
                             sample=sample, output_index=output_index, new=new)
@@ -349,14 +345,23 @@ class Scheduler:
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
+    @staticmethod
+    def _known_and_computed(req: Request) -> int:
+        # len() sums, not the num_tokens property: this runs twice a token
+        return min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids))
+
+    def _register_if_filled(self, req: Request) -> None:
+        """The per-token check: register only once the next block can have filled."""
+        if self._known_and_computed(req) >= req.next_full_at:
+            self._register_full_blocks(req)
+
     def _register_full_blocks(self, req: Request) -> None:
         """Register each block whose tokens are all known and computed."""
         if not self.cfg.enable_prefix_caching:
             req.next_full_at = 1 << 62  # nothing to register, ever
             return
         bs = self.cfg.block_size
-        known = len(req.prompt_token_ids) + len(req.output_token_ids)
-        limit = min(req.num_computed_tokens, known) // bs
+        limit = self._known_and_computed(req) // bs
         hashes = self._hashes.get(req.request_id)
         if hashes is None:
             hashes = self._hashes[req.request_id] = []
@@ -364,7 +369,7 @@ class Scheduler:
             parent = hashes[-1] if hashes else None
             block_tokens = _tokens(req, i * bs, (i + 1) * bs)
             hashes.append(self.pool.register_full(req.block_ids[i], parent, block_tokens))
-        # Callers skip this method until the next block fills: it was ~1.5 us twice a token.
+        # _register_if_filled skips this method until the next block fills (~1.5 us twice a token).
         req.next_full_at = (len(hashes) + 1) * bs
 
     # ---- integrity ----------------------------------------------------------------------------
