@@ -1,6 +1,11 @@
 """Decode-step time of the real runner path (staging, graphs, sampling) against the HBM floor.
 
     python3 bench/decode_step.py --preset 0.6b --batches 1,32,128,256 --context 512
+    python3 bench/decode_step.py --preset 0.6b --batches 64,256 --prefill 128   # mixed steps
+
+With --prefill P every timed step also admits a new request and computes its P-token prompt
+beside the decodes (the previous one is released), as a serving step with arrivals does; such
+steps run as piecewise graphs ("graph" mode) or eagerly ("eager").
 
 Weights are random bf16 drawn from one pool (timing does not depend on values), so no checkpoint
 is written. The floor is (weight bytes + KV bytes read) / bandwidth (4.25 TB/s measured copy rate).
@@ -86,8 +91,10 @@ def random_runner(preset: str, device: str, max_model_len: int, **engine: object
     return runner, mc
 
 
-def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda"):
-    blocks = max_seqs * blocks_per_seq(context) + 16
+def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda",
+                 prefill: int = 0):
+    blocks = max_seqs * blocks_per_seq(context) + 16 + -(-prefill // 16)
+    max_seqs += prefill > 0
     return random_runner(preset, device, 16 * blocks_per_seq(context), max_num_seqs=max_seqs,
                          max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
                          enforce_eager=enforce_eager)
@@ -97,8 +104,9 @@ def blocks_per_seq(context: int, steps: int = STEPS_MAX) -> int:
     return -(-(context + steps + 2) // 16)
 
 
-def decode_batches(batch: int, context: int, steps: int):
-    """First a step that admits every row (eager), then `steps` decode-only steps (graphable)."""
+def decode_batches(batch: int, context: int, steps: int, prefill: int = 0):
+    """First a step that admits every row (eager), then `steps` decode-only steps (graphable),
+    each with a new prefill of `prefill` tokens beside the decodes when prefill > 0."""
     from vt.sampling import SamplingParams
     from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
@@ -111,10 +119,17 @@ def decode_batches(batch: int, context: int, steps: int):
         ScheduledSeq(f"r{b}", context - 1, 1, (5,), False, tables[b], True, 0,
                      NewRequestData((5,) * 4, (), params)) for b in range(batch)), (), batch)
     yield first
+    spare = tuple(range(batch * nb, batch * nb + -(-prefill // 16)))
+    prompt = tuple(range(7, 7 + prefill))
     for i in range(steps):
-        yield ScheduledBatch(tuple(
-            ScheduledSeq(f"r{b}", context + i, 1, (), True, tables[b], True, i + 1, None)
-            for b in range(batch)), (), batch)
+        seqs = tuple(ScheduledSeq(f"r{b}", context + i, 1, (), True, tables[b], True, i + 1, None)
+                     for b in range(batch))
+        released: tuple[str, ...] = ()
+        if prefill:
+            seqs += (ScheduledSeq(f"p{i}", 0, prefill, prompt, False, spare, True, 0,
+                                  NewRequestData(prompt, (), params)),)
+            released = (f"p{i - 1}",) if i else ()
+        yield ScheduledBatch(seqs, released, batch + prefill)
 
 
 def floor_seconds(mc, batch: int, context: int) -> float:
@@ -140,8 +155,8 @@ def roofline_seconds(mc, batch: int, context: int) -> float:
     return max(weight_bytes / BANDWIDTH, 2 * matmul * batch / MATMUL_RATE) + kv / BANDWIDTH
 
 
-def time_decode(runner, batch: int, context: int, steps: int, pipelined: bool) -> float:
-    gen = decode_batches(batch, context, steps)
+def time_decode(runner, batch: int, context: int, steps: int, pipelined: bool, prefill: int = 0) -> float:
+    gen = decode_batches(batch, context, steps, prefill)
     eos = lambda _rid: ()  # noqa: E731
     runner.execute(next(gen), eos).result()
     warm = 5
@@ -159,6 +174,7 @@ def time_decode(runner, batch: int, context: int, steps: int, pipelined: bool) -
         handles.pop(0).result()
     for b in range(batch):
         runner.release(f"r{b}")
+    runner.release(f"p{steps - 1}")
     return (time.perf_counter() - t0) / (steps - warm)
 
 
@@ -170,23 +186,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--device", default="cuda", choices=["cuda", "numpy"])
+    ap.add_argument("--prefill", type=int, default=0, help="prompt tokens of a new request in every step")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     rows = []
     for mode in args.modes.split(","):
-        runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device)
+        t_build = time.perf_counter()
+        runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device,
+                                  args.prefill)
+        print(f"{mode}: runner built in {time.perf_counter() - t_build:.1f} s "
+              f"({len(runner.graphs)} decode graphs, {len(runner.pieces)} piecewise sets)", flush=True)
         for b in batches:
             floor = floor_seconds(mc, b, args.context)
             roof = roofline_seconds(mc, b, args.context)
             for pipelined in (False, True):
-                t = time_decode(runner, b, args.context, args.steps, pipelined)
+                t = time_decode(runner, b, args.context, args.steps, pipelined, args.prefill)
                 row = dict(preset=args.preset, mode=mode, depth=2 if pipelined else 1, batch=b,
+                           prefill=args.prefill, routes=dict(runner.routes),
                            context=args.context, step_ms=t * 1e3, floor_ms=floor * 1e3, ratio=t / floor,
                            roofline_ms=roof * 1e3, roofline_ratio=t / roof)
                 rows.append(row)
                 print(f"| {args.preset} | {mode} | depth {row['depth']} | {b} | {args.context} | "
                       f"{row['step_ms']:.3f} | {row['floor_ms']:.3f} | {row['ratio']:.2f}x | "
-                      f"{row['roofline_ms']:.3f} | {t / roof:.2f}x |", flush=True)
+                      f"{row['roofline_ms']:.3f} | {t / roof:.2f}x | {dict(runner.routes)} |", flush=True)
+                runner.routes.clear()
         del runner
     print(json.dumps(rows))
 

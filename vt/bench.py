@@ -499,13 +499,13 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
                         return
                     if msg.get("usage"):
                         usage = msg["usage"]
+                    # Every choice chunk is a token's arrival, text or not (a special token,
+                    # or an id the tokenizer renders as nothing), as vLLM's benchmark counts.
                     for choice in msg.get("choices") or ():
-                        text = choice.get("text") or ""
-                        if text or choice.get("finish_reason"):
-                            if rec.first_token is None:
-                                rec.first_token = now
-                            rec.chunk_times.append(now)
-                            texts.append(text)
+                        if rec.first_token is None:
+                            rec.first_token = now
+                        rec.chunk_times.append(now)
+                        texts.append(choice.get("text") or "")
             if done:
                 break
         if done and keep:

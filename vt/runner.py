@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ from vt.sched.output import ScheduledBatch
 MAX_LOGPROBS = 20
 MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Token counts the piecewise graphs of other steps are captured for. Longer steps run eager:
+# their GPU time dwarfs the ~7 us a launch costs on the host.
+PIECE_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 
 
 @dataclass(slots=True)  # one per sampled token: slotted and unfrozen, cheap to build
@@ -121,6 +125,21 @@ class StepHandle:
 
 
 @dataclass
+class _Pieces:
+    """One padded token count's layers, captured piecewise for steps no decode graph serves
+    (prefill, mixed, penalties, logprobs): graphs[0] runs up to layer 0's attention and
+    graphs[l + 1] from layer l's attention output on, the last one to the hidden state.
+    Attention runs uncaptured between them (its grid depends on the batch), reading q and
+    writing out in place; the final norm, lm_head and sampler run uncaptured after."""
+
+    size: int
+    graphs: list[Any]
+    attention: list[tuple[Any, Any, Any, Any]]  # (q, k_cache, v_cache, out) per layer
+    hidden: tuple[Any, Any]                     # (x, residual) the last graph leaves
+    high: int                                   # arena bytes the graphs' buffers take
+
+
+@dataclass
 class _Plan:
     """Host-side facts about a launched step that the collector needs."""
 
@@ -142,7 +161,8 @@ class _Launch:
     any_ban: bool
     max_query_len: int
     max_seq_len: int
-    graph: bool
+    route: str                           # "graph" (decode), "pieces" or "eager"
+    num_decodes: int                     # leading sequences with one token each
 
 
 class ModelRunner:
@@ -180,6 +200,10 @@ class ModelRunner:
         # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
         self.graphs: dict[tuple[int, int], Any] = {}
+        self.pieces: dict[tuple[int, int], _Pieces] = {}
+        top = {self.max_tokens} if self.max_tokens <= PIECE_SIZES[-1] else set()
+        self.piece_sizes = tuple(sorted({n for n in PIECE_SIZES if n < self.max_tokens} | top))
+        self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
         self.use_graphs = False  # capture_graphs() turns it on
         if ops.name == "cuda" and not cfg.enforce_eager:
             self.capture_graphs()
@@ -270,6 +294,12 @@ class ModelRunner:
         buf = self.slots[slot]
         seqs = batch.seqs
         nseq = len(seqs)
+        # Single-token sequences first: attention then runs them on decode tiles in one launch
+        # and the longer ones in another. Rows are staged, sampled and collected in this order.
+        longer = [s for s in seqs if s.num_tokens != 1]
+        if longer and len(longer) < nseq:
+            seqs = tuple([s for s in seqs if s.num_tokens == 1] + longer)
+        num_decodes = nseq - len(longer)
         bs = self.block_size
         ids_h, src_h, pos_h, slot_h = (buf.input_ids[0], buf.src_rows[0], buf.positions[0],
                                        buf.slot_mapping[0])
@@ -365,10 +395,17 @@ class ModelRunner:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
         plan = _Plan(sample_req, logprobs_k)
         # decode_only already excludes admissions, hence rows that need a penalty setup.
-        graph_ok = self.use_graphs and decode_only and not any_penalty and not any_ban and logprobs_k == 0
+        route = "eager"
+        if self.use_graphs:
+            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 \
+                    and self._graph_size(nseq) is not None:
+                route = "graph"
+            elif self.pieces and self._piece_size(t) is not None:
+                route = "pieces"
+        self.routes[route] += 1
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
-                       graph_ok)
+                       route, num_decodes)
         self.step_id += 1
         if self.ops.name == "numpy":
             future = self.worker.submit(self._timed, self._device_step, step)
@@ -391,17 +428,21 @@ class ModelRunner:
             if self.prev_slot is not None and self.prev_slot != slot:
                 ops.after(slot, self.prev_slot)
             self.prev_slot = slot
-            if st.graph:
+            if st.route == "graph":
                 self._replay_decode(slot, nseq, mb)
             else:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
-                fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len)
-                self._forward_sample(buf, fb, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
+                if st.route == "pieces":
+                    self._replay_pieces(buf, st, self.pieces[(slot, self._piece_size(st.ntok))])
+                else:
+                    fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len,
+                                     st.num_decodes)
+                    self._forward_sample(buf, fb, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
             ops.record(slot)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
-               max_seq_len: int) -> ForwardBatch:
+               max_seq_len: int, num_decodes: int = 0) -> ForwardBatch:
         ops = self.ops
 
         def up(pair: tuple[np.ndarray, Any], n: int) -> Any:
@@ -425,12 +466,16 @@ class ModelRunner:
             logits_indices=up(buf.logits_indices, nseq),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            num_decodes=num_decodes,
         )
 
     def _forward_sample(self, buf: _SlotBuffers, fb: ForwardBatch, nseq: int, logprobs_k: int,
                         any_penalty: bool, any_ban: bool) -> None:
+        self._sample(buf, self.model.forward(fb, self.kv), nseq, logprobs_k, any_penalty, any_ban)
+
+    def _sample(self, buf: _SlotBuffers, logits: Any, nseq: int, logprobs_k: int, any_penalty: bool,
+                any_ban: bool) -> None:
         ops = self.ops
-        logits = self.model.forward(fb, self.kv)
         rows = buf.sample_rows[1][:nseq]
         if any_penalty:
             ops.penalize(logits, rows, self.out_counts, self.prompt_mask, buf.presence[1][:nseq],
@@ -454,17 +499,62 @@ class ModelRunner:
                 return size
         return None
 
+    def _piece_size(self, ntok: int) -> int | None:
+        for size in self.piece_sizes:
+            if size >= ntok:
+                return size
+        return None
+
     def _replay_decode(self, slot: int, nseq: int, mb: int) -> None:
         """Pad a decode-only batch to a captured size and replay its graph."""
         size = self._graph_size(nseq)
         buf = self.slots[slot]
-        if size is None:
-            fb = self._stage(buf, nseq, nseq, mb, 1, self.max_model_len)
-            self._forward_sample(buf, fb, nseq, 0, False, False)
-            return
         self._pad_decode(buf, nseq, mb, size)
         key = (slot, size)
         self.graphs[key].replay()
+
+    def _replay_pieces(self, buf: _SlotBuffers, st: _Launch, pieces: _Pieces) -> None:
+        """Pad the step's tokens to the pieces' size (padding rows write no KV and feed no
+        sequence), stage, then replay the pieces with each layer's attention between them."""
+        ops, ntok, nseq = self.ops, st.ntok, st.nseq
+        self._pad_tokens(buf, ntok, pieces.size)
+        fb = self._stage(buf, pieces.size, nseq, st.mb, st.max_query_len, st.max_seq_len)
+        ops.arena_reserve(pieces.high)
+        pieces.graphs[0].replay()
+        for (q, k_cache, v_cache, out), graph in zip(pieces.attention, pieces.graphs[1:], strict=True):
+            ops.attention(q[:ntok], k_cache, v_cache, fb.query_start_loc, fb.seq_lens, fb.block_tables,
+                          self.model.scale, st.max_query_len, st.max_seq_len, out=out[:ntok],
+                          decode_seqs=st.num_decodes)
+            graph.replay()
+        logits = self.model.head(*pieces.hidden, fb.logits_indices)
+        self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
+
+    @staticmethod
+    def _pad_tokens(buf: _SlotBuffers, ntok: int, size: int) -> None:
+        for name, value in (("input_ids", 0), ("src_rows", -1), ("positions", 0), ("slot_mapping", -1)):
+            getattr(buf, name)[0][ntok:size] = value
+
+    def _capture_pieces(self, slot: int, size: int) -> _Pieces:
+        buf, ops = self.slots[slot], self.ops
+        attention: list[tuple[Any, Any, Any, Any]] = []
+        hidden: list[tuple[Any, Any]] = []
+        # Only the per-token inputs are read inside the pieces; the rest goes to attention.
+        fb = ForwardBatch(
+            input_ids=buf.input_ids[1][:size], positions=buf.positions[1][:size],
+            slot_mapping=buf.slot_mapping[1][:size], query_start_loc=buf.query_start_loc[1][:2],
+            seq_lens=buf.seq_lens[1][:1], block_tables=buf.block_tables[1][:1].reshape(1, 1),
+            logits_indices=buf.logits_indices[1][:1], max_query_len=size, max_seq_len=self.max_model_len)
+
+        def run(cut: Any) -> None:
+            def attend(q: Any, k_cache: Any, v_cache: Any, *_: Any, **__: Any) -> Any:
+                out = ops.scratch(q.shape, "act")
+                attention.append((q, k_cache, v_cache, out))
+                cut()
+                return out
+            hidden.append(self.model.hidden(fb, self.kv, attend))
+
+        graphs, high = ops.capture_pieces(slot, run)
+        return _Pieces(size, graphs, attention, hidden[0], high)
 
     def capture_graphs(self) -> None:
         """Capture every decode size up front and turn graph replay on: a capture in the middle
@@ -481,6 +571,11 @@ class ModelRunner:
                         break
                     self._pad_decode(buf, 0, 1, size)
                     self.graphs[(slot, size)] = self.ops.capture(slot, self._graph_fn(buf, size))
+            # numpy ops return fresh arrays instead of rewriting captured ones, so nothing
+            # could run between replayed pieces there: those steps stay eager.
+            if self.ops.name == "cuda":
+                for size in self.piece_sizes:
+                    self.pieces[(slot, size)] = self._capture_pieces(slot, size)
 
     def _graph_fn(self, buf: _SlotBuffers, size: int) -> Any:
         def run() -> None:

@@ -316,6 +316,34 @@ def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
     assert rel_err(got, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("q_lens,ctx_lens", [
+    ([1, 1, 1, 20], [3000, 50, 700, 4000]),  # both launches split keys; the combine of the
+    ([1, 1, 7, 300], [17, 900, 7, 300]),     # second must leave the decodes' rows alone
+])
+def test_attention_with_decodes_first_into_out(cb, nb, rng, q_lens, ctx_lens):
+    """decode_seqs: decodes on decode tiles, the rest in a second launch, into a given out whose
+    rows of no sequence (padding after the last one) keep what they held."""
+    hq, hk, d, bs, pad = 32, 8, 128, 16, 3
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
+    t = q.shape[0]
+    q = np.concatenate([q, bf16(rng.standard_normal((pad, hq, d)))])
+    scale = d**-0.5
+    ndec = sum(1 for n in q_lens if n == 1)
+    args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
+    ref = nb.attention(q, kc, vc, *args, decode_seqs=ndec)
+    marker = bf16(np.full((t + pad, hq, d), 7.0))
+    with cb.slot(0):
+        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+        out = act(cb, marker)
+        cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, max(q_lens), max(ctx_lens),
+                     out=out, decode_seqs=ndec)
+        got = cb.to_host(out)
+    assert rel_err(got[:t], ref[:t]) < BF16_TOL
+    assert (got[t:] == 7.0).all()
+    with pytest.raises(ValueError, match="one query row"):
+        nb.attention(q, kc, vc, *args, decode_seqs=ndec + 1)
+
+
 def test_attention_on_a_strided_q_view(cb, nb, rng):
     hq, hk, d, bs = 4, 2, 64, 8
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [6, 1], [6, 30], hq, hk, d, bs)

@@ -139,3 +139,30 @@ def test_sync_equals_async_on_gpu_with_preemption(checkpoint: Path, reference: d
             assert llm.engine.scheduler.kv_usage == 0.0
     assert outs[0] == outs[1]
     assert outs[0] == [reference["bf16"][i] for i in usable] * 8
+
+
+def test_piecewise_graph_steps_equal_eager(checkpoint: Path, reference: dict) -> None:
+    """Prefill, chunked-prefill-beside-decode and logprobs steps replay piecewise graphs (attention
+    launched between the pieces, tokens padded to the captured count): the same greedy tokens as
+    with every step eager, and as transformers."""
+    from vt.llm import LLM
+    from vt.sampling import SamplingParams
+
+    usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
+    prompts = [reference["prompts"][i] for i in usable] * 3
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    # logprobs keep every step of the first round off the decode graphs
+    with_lp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs, routes = [], []
+    for eager in (True, False):
+        with LLM(str(checkpoint), device="cuda", max_num_seqs=8, enforce_eager=eager, num_gpu_blocks=256,
+                 max_model_len=1024, max_num_batched_tokens=64) as llm:
+            got = [c.token_ids for c in llm.generate(prompts, with_lp)]
+            got += [c.token_ids for c in llm.generate(prompts, plain)]
+            outs.append(got)
+            routes.append(dict(llm.engine.runner.routes))
+            assert llm.engine.scheduler.kv_usage == 0.0
+    assert outs[1] == outs[0]
+    assert outs[1] == [reference["bf16"][i] for i in usable] * 6
+    assert set(routes[0]) == {"eager"}
+    assert routes[1].get("pieces", 0) > 0 and routes[1].get("graph", 0) > 0, routes[1]

@@ -166,7 +166,9 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
                                                int num_splits) {
     const int row = blockIdx.x;  // t * hq + h
     const int t = row / hq;
-    if (t >= query_start_loc[num_seqs]) return;  // padding rows past the last sequence
+    // rows of no sequence here: padding past the last one, or rows before the first (a launch
+    // over a later part of the batch)
+    if (t < query_start_loc[0] || t >= query_start_loc[num_seqs]) return;
     float mmax = -VT_INF;
     for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[((size_t)s * total_tokens * hq + row) * 2]);
     float denom = 0.f;

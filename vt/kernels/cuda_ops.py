@@ -5,8 +5,9 @@ workspace arena (a bump allocator over one preallocated buffer) so a step never 
 the pool and a captured graph sees the same pointers on every replay; outside any slot context
 ops allocate plainly from CuPy's pool (tests, setup).
 
-Beyond base.Backend: arena_mark() / arena_reset(mark) on the active slot's arena, and the
-dtype "i64" in zeros/from_host (sampler seeds).
+Beyond base.Backend: arena_reserve(mark) on the active slot's arena, capture_pieces() (a
+capture cut into graphs that uncaptured launches run between), and the dtype "i64" in
+zeros/from_host (sampler seeds).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _Arena:
         self.buf = cupy.empty((nbytes,), dtype=np.uint8)
         self.nbytes = nbytes
         self.offset = 0
+        self.high = 0  # the furthest offset handed out since the last slot entry
 
     def take(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -65,6 +67,7 @@ class _Arena:
                 f"raise CudaBackend(workspace_bytes=...)"
             )
         self.offset = start + size
+        self.high = max(self.high, self.offset)
         return cupy.ndarray(shape, dtype=dtype, memptr=self.buf.data + start)
 
 
@@ -455,9 +458,12 @@ class CudaBackend:
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        out: cupy.ndarray | None = None,
+        decode_seqs: int = 0,
     ) -> cupy.ndarray:
         """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
-        the real values (capture with the largest ones the graph will serve)."""
+        the real values (capture with the largest ones the graph will serve). out, if given, is
+        a contiguous act[T, Hq, D] the result goes into."""
         qst = _token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -467,10 +473,21 @@ class CudaBackend:
             )
         if not block_tables.flags.c_contiguous or block_tables.ndim != 2:
             raise ValueError("attention: block_tables must be a C-contiguous i32[B, max_blocks]")
-        out = self._out((t, hq, d), np.uint16)
+        if out is None:
+            out = self._out((t, hq, d), np.uint16)
+        elif out.shape != (t, hq, d) or out.dtype != np.uint16 or not out.flags.c_contiguous:
+            raise ValueError(f"attention: out must be a contiguous act{[t, hq, d]}, got {out.shape}")
         b = seq_lens.shape[0]
         if t == 0 or b == 0 or max_query_len <= 0:
             return out
+        if 0 < decode_seqs < b and max_query_len > 1:
+            # One launch would put the decodes on prefill tiles too (4 live rows of 64 at GQA
+            # group 4), so they get the decode tiles and the rest a launch of its own.
+            d_ = decode_seqs
+            self.attention(q, k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_], block_tables[:d_],
+                           scale, 1, max_seq_len, out)
+            return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
+                                  scale, max_query_len, max_seq_len, out)
         kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d, k_cache.size)
         splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len)
         if splits > 1:
@@ -634,7 +651,7 @@ class CudaBackend:
     @contextlib.contextmanager
     def slot(self, i: int) -> Iterator[None]:
         s = self._slot(i)
-        s.arena.offset = 0
+        s.arena.offset = s.arena.high = 0
         previous = self._arena()
         self._tls.arena = s.arena
         try:
@@ -643,21 +660,28 @@ class CudaBackend:
         finally:
             self._tls.arena = previous
 
-    def arena_mark(self) -> int:
-        """Current offset of the active slot's arena (to keep outputs across arena_reset)."""
+    def _open_arena(self, op: str, mark: int | None = None, top: str = "offset") -> _Arena:
+        """The active slot's arena, with mark checked against 0..arena.<top>."""
         arena = self._arena()
         if arena is None:
-            raise RuntimeError("arena_mark() needs an open slot context")
-        return arena.offset
+            raise RuntimeError(f"{op}() needs an open slot context")
+        if mark is not None and not 0 <= mark <= getattr(arena, top):
+            raise ValueError(f"arena mark {mark} is not within 0..{getattr(arena, top)}")
+        return arena
+
+    def arena_mark(self) -> int:
+        """Current offset of the active slot's arena (to keep outputs across arena_reset)."""
+        return self._open_arena("arena_mark").offset
 
     def arena_reset(self, mark: int) -> None:
         """Free everything the active slot's arena handed out after `mark`."""
-        arena = self._arena()
-        if arena is None:
-            raise RuntimeError("arena_reset() needs an open slot context")
-        if not 0 <= mark <= arena.offset:
-            raise ValueError(f"arena mark {mark} is not within 0..{arena.offset}")
-        arena.offset = mark
+        self._open_arena("arena_reset", mark).offset = mark
+
+    def arena_reserve(self, mark: int) -> None:
+        """Hand out nothing below mark from now on (a replayed graph's buffers live there)."""
+        arena = self._open_arena("arena_reserve", mark, "nbytes")
+        arena.offset = max(arena.offset, mark)
+        arena.high = max(arena.high, arena.offset)
 
     def after(self, i: int, j: int) -> None:
         si, sj = self._slot(i), self._slot(j)
@@ -688,3 +712,24 @@ class CudaBackend:
             finally:
                 graph = s.stream.end_capture()
         return _Graph(graph, s.stream)
+
+    def capture_pieces(self, i: int, fn: Callable[[Callable[[], None]], Any]) -> tuple[list[_Graph], int]:
+        """fn(cut) runs once under capture on slot i, like capture(); each cut() closes the graph
+        so far and opens the next, so the caller can run uncaptured work between the pieces'
+        replays. Returns the pieces and the arena's high-water mark: on replay, reserve up to it
+        before anything between or after the pieces takes arena memory."""
+        s = self._slot(i)
+        graphs: list[_Graph] = []
+
+        def cut() -> None:
+            graphs.append(_Graph(s.stream.end_capture(), s.stream))
+            s.stream.begin_capture()
+
+        with self.slot(i):
+            s.stream.begin_capture()
+            try:
+                fn(cut)
+            finally:
+                graphs.append(_Graph(s.stream.end_capture(), s.stream))
+            high = s.arena.high
+        return graphs, high

@@ -107,11 +107,17 @@ class NumpyBackend:
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                  scale: float, max_query_len: int, max_seq_len: int) -> np.ndarray:
+                  scale: float, max_query_len: int, max_seq_len: int,
+                  out: np.ndarray | None = None, decode_seqs: int = 0) -> np.ndarray:
         t, hq, d = q.shape
+        if any(int(query_start_loc[b + 1] - query_start_loc[b]) != 1 for b in range(decode_seqs)):
+            raise ValueError(f"attention: the first {decode_seqs} sequences must have one query row each")
         _, bs, hk, _ = k_cache.shape
         group = hq // hk
-        out = np.zeros((t, hq, d), dtype=np.float32)
+        if out is None:
+            out = np.zeros((t, hq, d), dtype=np.float32)
+        elif out.shape != (t, hq, d):
+            raise ValueError(f"attention: out must be [{t}, {hq}, {d}], got {list(out.shape)}")
         for b in range(len(seq_lens)):
             start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
             length, ctx = end - start, int(seq_lens[b])

@@ -20,3 +20,4 @@ class ForwardBatch(NamedTuple):
     logits_indices: Any   # i32[B]  row of each sequence's last token
     max_query_len: int    # host
     max_seq_len: int      # host
+    num_decodes: int = 0  # host: the first num_decodes sequences have one query row each

@@ -6,7 +6,7 @@ Only backend ops, .reshape and slicing touch arrays here: no host syncs inside f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,16 @@ class Transformer:
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: list[tuple[Array, Array]]) -> Any:
         """Logits f32[B, V] for the rows batch.logits_indices of this ragged step."""
+        x, residual = self.hidden(batch, kv)
+        return self.head(x, residual, batch.logits_indices)
+
+    def hidden(self, batch: ForwardBatch, kv: list[tuple[Array, Array]],
+               attend: Callable[..., Array] | None = None) -> tuple[Array, Array]:
+        """The layers: (hidden state, residual) act[T, H] before the final norm. attend, if
+        given, stands in for ops.attention (same arguments, returns the output) once per layer:
+        the runner's piecewise graphs cut their capture there."""
         cfg, ops = self.cfg, self.ops
+        attention = ops.attention if attend is None else attend
         if len(kv) != cfg.num_layers:
             raise ValueError(f"kv has {len(kv)} layers, the model has {cfg.num_layers}")
         t = batch.input_ids.shape[0]
@@ -119,17 +128,22 @@ class Transformer:
             v = qkv[:, k_end:].reshape(t, hk, d)
             ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions,
                                       self.inv_freq, k_cache, v_cache, batch.slot_mapping)
-            o = ops.attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                              batch.block_tables, self.scale, batch.max_query_len, batch.max_seq_len)
+            o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                          self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes)
             x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)
             h, residual = ops.rms_norm(x, layer.post_norm, eps, residual)
             x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, None)), layer.down, None)
             if li % 2 == 0 and starts[1] is not None and ops.arena_mark() > starts[1]:
                 raise RuntimeError("a layer's workspace outgrew the first layer's; regions overlap")
+        return x, residual
+
+    def head(self, x: Array, residual: Array, logits_indices: Array) -> Any:
+        """Final norm and lm_head for rows logits_indices -> logits f32[B, V]."""
+        ops = self.ops
         # The final norm is per row, so gather the sampled rows first and normalize only those.
-        x_last = ops.gather_rows(x, batch.logits_indices)
-        r_last = ops.gather_rows(residual, batch.logits_indices)
-        h, _ = ops.rms_norm(x_last, self.final_norm, eps, r_last)
+        x_last = ops.gather_rows(x, logits_indices)
+        r_last = ops.gather_rows(residual, logits_indices)
+        h, _ = ops.rms_norm(x_last, self.final_norm, self.cfg.rms_norm_eps, r_last)
         return ops.logits(h, self.lm_head)
 
 

@@ -1,0 +1,61 @@
+"""`vt bench`'s stream reader against a canned SSE response: what counts as a token's arrival."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from vt.bench import Endpoint, stream_completion
+from vt.bench_stats import RequestRecord
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _chunked(body: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
+async def _serve_canned(events: list[bytes], gap: float) -> tuple[asyncio.Server, int]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for e in events:
+            writer.write(_chunked(e))
+            await writer.drain()
+            await asyncio.sleep(gap)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_chunks_without_text_count_as_token_arrivals() -> None:
+    """A token whose text is empty (a special token, or an id the tokenizer renders as nothing)
+    still arrived: TTFT is the first choice chunk, and every choice chunk is an inter-token gap.
+    The usage chunk (no choices) is not a token."""
+    choice = lambda text, fin=None: {"choices": [{"index": 0, "text": text, "finish_reason": fin}]}  # noqa: E731
+    events = [_event(choice("")), _event(choice("")), _event(choice("a")), _event(choice("", "length")),
+              _event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
+              b"data: [DONE]\n\n"]
+
+    async def run() -> RequestRecord:
+        server, port = await _serve_canned(events, 0.02)
+        rec = RequestRecord(index=0, input_tokens=3)
+        async with server:
+            await stream_completion(Endpoint("127.0.0.1", port), {"prompt": [1, 2, 3]}, rec, 0.0)
+        return rec
+
+    rec = asyncio.run(run())
+    assert rec.success, rec.error
+    assert rec.output_tokens == 4
+    assert len(rec.chunk_times) == 4
+    assert rec.first_token == rec.chunk_times[0]
+    # the last token came three gaps after the first, not at the first text
+    assert rec.chunk_times[-1] - rec.first_token > 0.04
+    assert rec.text == "a"
