@@ -72,6 +72,27 @@ def test_attention_ignores_cache_beyond_seq_len():
     np.testing.assert_array_equal(ops.attention(q, k, v, *args), a)
 
 
+def test_attention_into_out_with_decodes_first():
+    """out: rows of no sequence (padding after the last) keep their values; decode_seqs is a
+    promise about the batch that is checked, not trusted."""
+    d, bs = 4, 4
+    k = rng.standard_normal((4, bs, 1, d)).astype(np.float32)
+    v = rng.standard_normal((4, bs, 1, d)).astype(np.float32)
+    q = rng.standard_normal((6, 2, d)).astype(np.float32)  # rows 0, 1: decodes; 2-4: a prompt; 5: pad
+    qsl, lens = np.array([0, 1, 2, 5], np.int32), np.array([5, 2, 3], np.int32)
+    table = np.array([[0, 1], [2, 0], [3, 0]], np.int32)
+    want = ops.attention(q, k, v, qsl, lens, table, 0.5, 3, 5)
+    out = np.full((6, 2, d), 9.0, np.float32)
+    got = ops.attention(q, k, v, qsl, lens, table, 0.5, 3, 5, out=out, decode_seqs=2)
+    assert got is out
+    np.testing.assert_array_equal(out[:5], want[:5])
+    assert (out[5] == 9.0).all()
+    with pytest.raises(ValueError, match="one query row"):
+        ops.attention(q, k, v, qsl, lens, table, 0.5, 3, 5, decode_seqs=3)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.attention(q, k, v, qsl, lens, table, 0.5, 3, 5, out=out[:5])
+
+
 def test_rope_rotates_halves_and_preserves_relative_dot_products():
     d = 8
     inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)

@@ -110,7 +110,7 @@ class NumpyBackend:
                   scale: float, max_query_len: int, max_seq_len: int,
                   out: np.ndarray | None = None, decode_seqs: int = 0) -> np.ndarray:
         t, hq, d = q.shape
-        if any(int(query_start_loc[b + 1] - query_start_loc[b]) != 1 for b in range(decode_seqs)):
+        if decode_seqs and (np.diff(query_start_loc[: decode_seqs + 1]) != 1).any():
             raise ValueError(f"attention: the first {decode_seqs} sequences must have one query row each")
         _, bs, hk, _ = k_cache.shape
         group = hq // hk
