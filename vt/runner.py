@@ -14,6 +14,7 @@ blocks on the slot's event so that completion reaches the event loop without blo
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import time
 from collections import Counter
@@ -36,6 +37,12 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320,
 # Token counts the piecewise graphs of other steps are captured for. Longer steps run eager:
 # their GPU time dwarfs the ~7 us a launch costs on the host.
 PIECE_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+
+
+def _padded(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest captured size that holds n, or 0 when none does (sizes ascending)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else 0
 
 
 @dataclass(slots=True)  # one per sampled token: slotted and unfrozen, cheap to build
@@ -162,6 +169,7 @@ class _Launch:
     max_query_len: int
     max_seq_len: int
     route: str                           # "graph" (decode), "pieces" or "eager"
+    padded: int                          # the captured size the step is padded to (0: eager)
     num_decodes: int                     # leading sequences with one token each
 
 
@@ -201,6 +209,7 @@ class ModelRunner:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
         self.graphs: dict[tuple[int, int], Any] = {}
         self.pieces: dict[tuple[int, int], _Pieces] = {}
+        self.graph_sizes = tuple(n for n in GRAPH_SIZES if n <= self.max_seqs)
         top = {self.max_tokens} if self.max_tokens <= PIECE_SIZES[-1] else set()
         self.piece_sizes = tuple(sorted({n for n in PIECE_SIZES if n < self.max_tokens} | top))
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
@@ -395,17 +404,17 @@ class ModelRunner:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
         plan = _Plan(sample_req, logprobs_k)
         # decode_only already excludes admissions, hence rows that need a penalty setup.
-        route = "eager"
+        route, padded = "eager", 0
         if self.use_graphs:
             if decode_only and not any_penalty and not any_ban and logprobs_k == 0 \
-                    and self._graph_size(nseq) is not None:
+                    and (padded := _padded(self.graph_sizes, nseq)):
                 route = "graph"
-            elif self.pieces and self._piece_size(t) is not None:
+            elif self.pieces and (padded := _padded(self.piece_sizes, t)):
                 route = "pieces"
         self.routes[route] += 1
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
-                       route, num_decodes)
+                       route, padded, num_decodes)
         self.step_id += 1
         if self.ops.name == "numpy":
             future = self.worker.submit(self._timed, self._device_step, step)
@@ -429,12 +438,13 @@ class ModelRunner:
                 ops.after(slot, self.prev_slot)
             self.prev_slot = slot
             if st.route == "graph":
-                self._replay_decode(slot, nseq, mb)
+                self._pad_decode(buf, nseq, mb, st.padded)
+                self.graphs[(slot, st.padded)].replay()
             else:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
                 if st.route == "pieces":
-                    self._replay_pieces(buf, st, self.pieces[(slot, self._piece_size(st.ntok))])
+                    self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
                 else:
                     fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len,
                                      st.num_decodes)
@@ -493,38 +503,18 @@ class ModelRunner:
             ops.copy_d2h(buf.out_top_lp[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_lp)
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------
-    def _graph_size(self, nseq: int) -> int | None:
-        for size in GRAPH_SIZES:
-            if size >= nseq and size <= self.max_seqs:
-                return size
-        return None
-
-    def _piece_size(self, ntok: int) -> int | None:
-        for size in self.piece_sizes:
-            if size >= ntok:
-                return size
-        return None
-
-    def _replay_decode(self, slot: int, nseq: int, mb: int) -> None:
-        """Pad a decode-only batch to a captured size and replay its graph."""
-        size = self._graph_size(nseq)
-        buf = self.slots[slot]
-        self._pad_decode(buf, nseq, mb, size)
-        key = (slot, size)
-        self.graphs[key].replay()
-
     def _replay_pieces(self, buf: _SlotBuffers, st: _Launch, pieces: _Pieces) -> None:
         """Pad the step's tokens to the pieces' size (padding rows write no KV and feed no
         sequence), stage, then replay the pieces with each layer's attention between them."""
         ops, ntok, nseq = self.ops, st.ntok, st.nseq
         self._pad_tokens(buf, ntok, pieces.size)
-        fb = self._stage(buf, pieces.size, nseq, st.mb, st.max_query_len, st.max_seq_len)
+        fb = self._stage(buf, pieces.size, nseq, st.mb, st.max_query_len, st.max_seq_len, st.num_decodes)
         ops.arena_reserve(pieces.high)
         pieces.graphs[0].replay()
         for (q, k_cache, v_cache, out), graph in zip(pieces.attention, pieces.graphs[1:], strict=True):
             ops.attention(q[:ntok], k_cache, v_cache, fb.query_start_loc, fb.seq_lens, fb.block_tables,
                           self.model.scale, st.max_query_len, st.max_seq_len, out=out[:ntok],
-                          decode_seqs=st.num_decodes)
+                          decode_seqs=fb.num_decodes)
             graph.replay()
         logits = self.model.head(*pieces.hidden, fb.logits_indices)
         self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
@@ -566,9 +556,7 @@ class ModelRunner:
         for slot in range(len(self.slots)):
             buf = self.slots[slot]
             with self.ops.slot(slot):
-                for size in GRAPH_SIZES:
-                    if size > self.max_seqs:
-                        break
+                for size in self.graph_sizes:
                     self._pad_decode(buf, 0, 1, size)
                     self.graphs[(slot, size)] = self.ops.capture(slot, self._graph_fn(buf, size))
             # numpy ops return fresh arrays instead of rewriting captured ones, so nothing
@@ -590,8 +578,7 @@ class ModelRunner:
         full = buf.block_tables[0][: size * self.max_blocks].reshape(size, self.max_blocks)
         full.fill(0)
         full[:nseq, :mb] = src
-        for name, value in (("input_ids", 0), ("src_rows", -1), ("positions", 0), ("slot_mapping", -1)):
-            getattr(buf, name)[0][nseq:size] = value
+        self._pad_tokens(buf, nseq, size)
         buf.seq_lens[0][nseq:size] = 1
         buf.query_start_loc[0][nseq + 1: size + 1] = np.arange(nseq + 1, size + 1, dtype=np.int32)
         buf.logits_indices[0][nseq:size] = np.arange(nseq, size, dtype=np.int32)
