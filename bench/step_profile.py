@@ -77,8 +77,18 @@ def summarize(steps: list[list[dict]]) -> dict:
     for k in steps[0]:
         count[short_name(k["name"])] += 1
     rows = sorted(((n, statistics.median(v), count[n]) for n, v in by_name.items()), key=lambda r: -r[1])
+    # The gap before each kernel, by the pair (kernel before, kernel after): which boundaries cost.
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for ks in steps:
+        for a, b in zip(ks, ks[1:]):
+            gap = max(0.0, b["ts"] - (a["ts"] + a["dur"]))
+            pairs[(short_name(a["name"]), short_name(b["name"]))].append(gap)
+    n = len(steps)
+    gap_rows = sorted(((f"{a[:34]} -> {b[:34]}", sum(v) / n, statistics.median(v), len(v) // n)
+                       for (a, b), v in pairs.items()), key=lambda r: -r[1])
     return dict(kernels_per_step=len(steps[0]), busy_us=statistics.median(busy),
-                gaps_us=statistics.median(gaps), span_us=statistics.median(spans), rows=rows)
+                gaps_us=statistics.median(gaps), span_us=statistics.median(spans), rows=rows,
+                gap_rows=gap_rows)
 
 
 def main() -> None:
@@ -95,7 +105,7 @@ def main() -> None:
     torch.cuda.init()
     runner, mc = build_runner(args.preset, args.batch, args.context, False)
     eos = lambda _rid: ()  # noqa: E731
-    gen = decode_batches(args.batch, args.context, args.steps + 8)
+    gen = decode_batches(args.batch, args.context, 2 * args.steps + 6)  # warm-up, one, then two runs
     runner.execute(next(gen), eos).result()
     for _ in range(4):
         runner.execute(next(gen), eos).result()
@@ -119,6 +129,9 @@ def main() -> None:
     print(f"{'kernel':64s} {'us/step':>9s} {'count':>6s} {'share':>6s}")
     for name, us, n in s["rows"]:
         print(f"{name:64s} {us:9.1f} {n:6d} {us / s['busy_us']:6.1%}")
+    print(f"{'gap before a kernel, by boundary':72s} {'us/step':>8s} {'median':>7s} {'count':>6s}")
+    for name, us, med, n in s["gap_rows"][:10]:
+        print(f"{name:72s} {us:8.1f} {med:7.2f} {n:6d}")
     # Depth 2, as serving runs: what the device timeline holds per step besides the kernels.
     handles = []
     with profile(activities=[ProfilerActivity.CUDA]) as p2:

@@ -142,7 +142,7 @@ class _Pieces:
     size: int
     graphs: list[Any]
     attention: list[tuple[Any, Any, Any, Any]]  # (q, k_cache, v_cache, out) per layer
-    hidden: tuple[Any, Any]                     # (x, residual) the last graph leaves
+    hidden: Any                                 # the residual stream the last graph leaves
     high: int                                   # arena bytes the graphs' buffers take
 
 
@@ -244,8 +244,9 @@ class ModelRunner:
         return int(blocks)
 
     def _workspace_bytes(self) -> int:
-        """One step's arena: two layers' activations (the forward alternates two regions), the
-        logits and sampler temporaries, and slack for attention's split-key partials."""
+        """One step's arena, with room to spare: the residual stream and a layer's activations
+        (each layer reuses the region after the stream) counted twice over, the logits and
+        sampler temporaries, and slack for attention's split-key partials."""
         mc = self.model_cfg
         q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, \
             mc.intermediate_size
@@ -516,7 +517,7 @@ class ModelRunner:
                           self.model.scale, st.max_query_len, st.max_seq_len, out=out[:ntok],
                           decode_seqs=fb.num_decodes)
             graph.replay()
-        logits = self.model.head(*pieces.hidden, fb.logits_indices)
+        logits = self.model.head(pieces.hidden, fb.logits_indices)
         self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
 
     @staticmethod
@@ -527,7 +528,7 @@ class ModelRunner:
     def _capture_pieces(self, slot: int, size: int) -> _Pieces:
         buf, ops = self.slots[slot], self.ops
         attention: list[tuple[Any, Any, Any, Any]] = []
-        hidden: list[tuple[Any, Any]] = []
+        hidden: list[Any] = []
         # Only the per-token inputs are read inside the pieces; the rest goes to attention.
         fb = ForwardBatch(
             input_ids=buf.input_ids[1][:size], positions=buf.positions[1][:size],

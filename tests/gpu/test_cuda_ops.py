@@ -158,6 +158,31 @@ def test_linear_with_bias_and_logits(cb, nb, rng):
     assert rel_err(lg, nb.logits(x, w)) < 1e-4
 
 
+def test_linear_residual_adds_into_the_residual_and_fold_norm_weight(cb, nb, rng):
+    """The residual add inside the projection (one rounding of GEMM + residual) and a norm
+    weight folded into a projection's columns, both against numpy."""
+    t, k, n = 37, 768, 512
+    x, w, res = bf16(rng.standard_normal((t, k))), bf16(rng.standard_normal((n, k)) * 0.05), \
+        bf16(rng.standard_normal((t, n)) * 4)
+    poison(cb)
+    with cb.slot(0):
+        r = act(cb, res)
+        cb.linear_residual(act(cb, x), act(cb, w), r)
+        got = cb.to_host(r)
+    ref = res.copy()
+    nb.linear_residual(x, w, ref)
+    assert rel_err(got, ref) < BF16_TOL
+    assert rel_err(got - res, ref - res) < BF16_TOL  # the GEMM part itself, not just the residual
+    with pytest.raises(ValueError, match="residual"):
+        cb.linear_residual(act(cb, x), act(cb, w), act(cb, res[:, :256]))
+    norm = bf16(rng.uniform(0.2, 2.0, k))
+    wd = act(cb, w)
+    cb.fold_norm_weight(wd, act(cb, norm))
+    folded = w.copy()
+    nb.fold_norm_weight(folded, norm)
+    np.testing.assert_array_equal(cb.to_host(wd), bf16(folded))  # one product, rounded once
+
+
 def test_linear_matches_cupy_gemmex_and_strided_rows(cb, rng):
     import cupy
     from cupy_backends.cuda.libs import cublas
@@ -229,26 +254,36 @@ def test_write_kv_skips_negative_slots(cb, nb, rng):
     np.testing.assert_array_equal(cb.to_host(vc), rv)
 
 
-@pytest.mark.parametrize("with_norm,d", [(True, 128), (False, 64), (True, 256)])
-def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d):
-    """One launch for head norms, rope and the cache write: bit for bit the three CUDA ops, and
-    within bf16 of numpy; padding slots (-1) leave the cache alone."""
-    t, hq, hk, nblk, bs = 9, 8, 2, 4, 4
-    qkv = bf16(rng.standard_normal((t, (hq + 2 * hk) * d)) * 3)
-    pos = rng.integers(0, 4000, t).astype(np.int32)
-    inv_freq = (1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+def _prologue_case(rng, d, t=9, hq=8, hk=2, nblk=4, bs=4) -> dict:
+    """Random inputs of the attention prologue: qkv rows, positions, frequencies, cache slots
+    (one padding slot), head-norm weights, a cache to start from, and q/k/v views of a buffer."""
     slots = rng.permutation(nblk * bs)[:t].astype(np.int32)
     slots[3] = -1
-    qw, kw = bf16(rng.uniform(0.5, 1.5, d)), bf16(rng.uniform(0.5, 1.5, d))
-    cache0 = bf16(rng.standard_normal((nblk, bs, hk, d)))
 
     def views(buf):
         return (buf[:, : hq * d].reshape(t, hq, d), buf[:, hq * d : (hq + hk) * d].reshape(t, hk, d),
                 buf[:, (hq + hk) * d :].reshape(t, hk, d))
 
+    return dict(
+        t=t, hq=hq, hk=hk, d=d, nblk=nblk, bs=bs, slots=slots, views=views,
+        qkv=bf16(rng.standard_normal((t, (hq + 2 * hk) * d)) * 3),
+        pos=rng.integers(0, 4000, t).astype(np.int32),
+        inv_freq=(1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32),
+        qw=bf16(rng.uniform(0.5, 1.5, d)), kw=bf16(rng.uniform(0.5, 1.5, d)),
+        cache0=bf16(rng.standard_normal((nblk, bs, hk, d))),
+    )
+
+
+@pytest.mark.parametrize("with_norm,d", [(True, 128), (False, 64), (True, 256)])
+def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d):
+    """One launch for head norms, rope and the cache write: bit for bit the three CUDA ops, and
+    within bf16 of numpy; padding slots (-1) leave the cache alone."""
+    c = _prologue_case(rng, d)
+    qkv, pos, inv_freq, slots, cache0, views = c["qkv"], c["pos"], c["inv_freq"], c["slots"], c["cache0"], \
+        c["views"]
     dev_pos, dev_slots = cb.from_host(pos, "i32"), cb.from_host(slots, "i32")
     dev_freq = cb.from_host(inv_freq, "f32")
-    norms = (act(cb, qw), act(cb, kw)) if with_norm else (None, None)
+    norms = (act(cb, c["qw"]), act(cb, c["kw"])) if with_norm else (None, None)
     fused, kc, vc = act(cb, qkv), act(cb, cache0), act(cb, cache0)
     cb.qk_norm_rope_write_kv(*views(fused), *norms, 1e-6, dev_pos, dev_freq, kc, vc, dev_slots)
     three, kc3, vc3 = act(cb, qkv), act(cb, cache0), act(cb, cache0)
@@ -261,11 +296,38 @@ def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d):
     for a, b in ((fused, three), (kc, kc3), (vc, vc3)):
         np.testing.assert_array_equal(cb.to_host(a), cb.to_host(b))
     ref, rkc, rvc = qkv.copy(), cache0.copy(), cache0.copy()
-    nb.qk_norm_rope_write_kv(*views(ref), *((qw, kw) if with_norm else (None, None)), 1e-6, pos, inv_freq,
-                             rkc, rvc, slots)
+    nb.qk_norm_rope_write_kv(*views(ref), *((c["qw"], c["kw"]) if with_norm else (None, None)), 1e-6, pos,
+                             inv_freq, rkc, rvc, slots)
     assert rel_err(cb.to_host(fused), ref) < BF16_TOL
     assert rel_err(cb.to_host(kc), rkc) < BF16_TOL
     np.testing.assert_array_equal(cb.to_host(vc), rvc)
+
+
+@pytest.mark.parametrize("with_norm,d,with_bias", [(True, 128, False), (False, 64, True), (True, 72, True)])
+def test_prologue_scales_by_the_folded_input_norm(cb, nb, rng, with_norm, d, with_bias):
+    """rms_of (and bias): q, k, v rows scaled by their token's rsqrt(mean square) and biased
+    before the head norms, the scaled v in the cache and in v; d=72 takes the three-op path."""
+    c = _prologue_case(rng, d)
+    t, hq, hk, slots, cache0, views = c["t"], c["hq"], c["hk"], c["slots"], c["cache0"], c["views"]
+    qkv, width, cells = c["qkv"], (hq + 2 * hk) * d, c["nblk"] * c["bs"]
+    r = bf16(rng.standard_normal((t, 320)) * rng.uniform(0.1, 30, (t, 1)))
+    bias = bf16(rng.standard_normal(width)) if with_bias else None
+    fused, kc, vc = act(cb, qkv), act(cb, cache0), act(cb, cache0)
+    norms = (act(cb, c["qw"]), act(cb, c["kw"])) if with_norm else (None, None)
+    cb.qk_norm_rope_write_kv(*views(fused), *norms, 1e-6, cb.from_host(c["pos"], "i32"),
+                             cb.from_host(c["inv_freq"], "f32"), kc, vc, cb.from_host(slots, "i32"),
+                             rms_of=act(cb, r), bias=None if bias is None else act(cb, bias))
+    ref, rkc, rvc = qkv.copy(), cache0.copy(), cache0.copy()
+    nb.qk_norm_rope_write_kv(*views(ref), *((c["qw"], c["kw"]) if with_norm else (None, None)), 1e-6,
+                             c["pos"], c["inv_freq"], rkc, rvc, slots, rms_of=r, bias=bias)
+    got = cb.to_host(fused)
+    for part in (slice(0, hq * d), slice(hq * d, (hq + hk) * d), slice((hq + hk) * d, width)):
+        assert rel_err(got[:, part], ref[:, part]) < BF16_TOL
+    assert rel_err(cb.to_host(kc), rkc) < BF16_TOL
+    assert rel_err(cb.to_host(vc), rvc) < BF16_TOL
+    untouched = np.setdiff1d(np.arange(cells), slots[slots >= 0])
+    np.testing.assert_array_equal(cb.to_host(vc).reshape(cells, hk, d)[untouched],
+                                  cache0.reshape(cells, hk, d)[untouched])
 
 
 def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs, extra_blocks=3):
@@ -355,12 +417,16 @@ def test_attention_on_a_strided_q_view(cb, nb, rng):
     assert rel_err(got, nb.attention(q, kc, vc, qsl, seq_lens, table, 0.125, 6, 30)) < BF16_TOL
 
 
-def test_silu_mul(cb, nb, rng):
-    x = bf16(rng.standard_normal((19, 2 * 384)) * 3)
+@pytest.mark.parametrize("inter", [384, 3072, 12288])
+def test_silu_mul(cb, nb, rng, inter):
+    x = bf16(rng.standard_normal((19, 2 * inter)) * 3)
+    r = bf16(rng.standard_normal((19, 1024)) * rng.uniform(0.1, 30, (19, 1)))
     poison(cb)
     with cb.slot(0):
         got = cb.to_host(cb.silu_mul(act(cb, x)))
+        scaled = cb.to_host(cb.silu_mul(act(cb, x), rms_of=act(cb, r), eps=1e-6))
     assert rel_err(got, nb.silu_mul(x)) < BF16_TOL
+    assert rel_err(scaled, nb.silu_mul(x, rms_of=r, eps=1e-6)) < BF16_TOL
 
 
 def test_fill_from_last_and_record_sampled(cb, nb, rng):

@@ -204,3 +204,50 @@ def test_sampling_methods_reach_the_numpy_sampler():
     last, counts = np.zeros(2, np.int32), np.zeros((2, 3), np.int32)
     ops.record_sampled(last, counts, np.array([1, -1], np.int32), np.array([2, 0], np.int32))
     assert last.tolist() == [0, 2] and counts.tolist() == [[0, 0, 0], [0, 0, 1]]
+
+
+def test_folded_norms_equal_norm_then_projection():
+    """The layer's norm folding: a norm weight folded into the projection, the row scale applied
+    by the op after it (prologue with bias, silu_mul), and the residual add inside the output
+    projection give what the plain norm -> projection -> op sequence gives."""
+    t, h, hq, hk, d, inter, eps = 5, 32, 4, 2, 8, 24, 1e-6
+    r = rng.standard_normal((t, h)).astype(np.float32) * rng.uniform(0.1, 20, (t, 1)).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, h).astype(np.float32)
+    w_qkv = rng.standard_normal(((hq + 2 * hk) * d, h)).astype(np.float32)
+    bias = rng.standard_normal((hq + 2 * hk) * d).astype(np.float32)
+    w_gu = rng.standard_normal((2 * inter, h)).astype(np.float32)
+    pos = np.arange(t, dtype=np.int32) * 7
+    inv_freq = (1.0 / (1e4 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    qn, kn = rng.uniform(0.5, 1.5, d).astype(np.float32), rng.uniform(0.5, 1.5, d).astype(np.float32)
+
+    def prologue(qkv, **kw):
+        kc, vc = ops.zeros((2, 4, hk, d), "act"), ops.zeros((2, 4, hk, d), "act")
+        q, k, v = (qkv[:, : hq * d].reshape(t, hq, d), qkv[:, hq * d : (hq + hk) * d].reshape(t, hk, d),
+                   qkv[:, (hq + hk) * d :].reshape(t, hk, d))
+        slots = np.arange(t, dtype=np.int32)
+        ops.qk_norm_rope_write_kv(q, k, v, qn, kn, eps, pos, inv_freq, kc, vc, slots, **kw)
+        return qkv, kc, vc
+
+    normed, _ = ops.rms_norm(r, norm, eps, None)
+    want = prologue(ops.linear(normed, w_qkv, bias))
+    folded = w_qkv.copy()
+    ops.fold_norm_weight(folded, norm)
+    got = prologue(ops.linear(r, folded, None), rms_of=r, bias=bias)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert np.abs(want[2]).max() > 0.1  # the v rows reached the cache
+
+    gu_folded = w_gu.copy()
+    ops.fold_norm_weight(gu_folded, norm)
+    np.testing.assert_allclose(ops.silu_mul(ops.linear(r, gu_folded, None), rms_of=r, eps=eps),
+                               ops.silu_mul(ops.linear(normed, w_gu, None)), rtol=1e-4, atol=1e-5)
+
+    x = rng.standard_normal((t, 2 * inter)).astype(np.float32)
+    w_o = rng.standard_normal((h, 2 * inter)).astype(np.float32)
+    acc = r.copy()
+    ops.linear_residual(x, w_o, acc)
+    np.testing.assert_allclose(acc, r + x @ w_o.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ops.linear_residual(x, w_o, acc[:, :8])
+    with pytest.raises(ValueError, match="fold_norm_weight"):
+        ops.fold_norm_weight(folded, norm[:8])

@@ -82,6 +82,14 @@ class Backend(Protocol):
     def linear(self, x: Array, w: Array, bias: Array | None) -> Array:
         """x act[T, K], w act[N, K], bias act[N] -> act[T, N] = x @ w.T + bias, fp32 accumulation."""
 
+    def linear_residual(self, x: Array, w: Array, residual: Array) -> None:
+        """In place: residual act[T, N] += x act[T, K] @ w act[N, K].T, accumulated in fp32 with
+        the residual and rounded once (a layer's residual add inside its output projection)."""
+
+    def fold_norm_weight(self, w: Array, norm: Array) -> None:
+        """In place, at setup: w act[N, K] *= norm act[K] per column, so that
+        linear(rms_norm(r) without its weight, w) equals linear(rms_norm(r) with it, w before)."""
+
     def rope(self, q: Array, k: Array, positions: Array, inv_freq: Array) -> None:
         """In place, neox style (rotate halves): q act[T, Hq, D], k act[T, Hk, D], positions i32[T],
         inv_freq f32[D // 2]; angle = position * inv_freq[i], computed in fp32."""
@@ -92,10 +100,15 @@ class Backend(Protocol):
 
     def qk_norm_rope_write_kv(self, q: Array, k: Array, v: Array, q_norm: Array | None,
                               k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
-                              k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+                              k_cache: Array, v_cache: Array, slot_mapping: Array,
+                              rms_of: Array | None = None, bias: Array | None = None) -> None:
         """In place, the attention prologue as one op: q and k get head_rms_norm (where a weight
         is given) and then rope, written back into q and k; then write_kv(k, v, ...). Equal to
-        those three ops in that order, bf16 rounding after each included."""
+        those three ops in that order, bf16 rounding after each included.
+        rms_of act[T, H] (optional): first every row of q, k and v is multiplied by
+        rsqrt(mean(rms_of[t] ** 2) + eps), the input norm of a projection whose norm weight was
+        folded in (fold_norm_weight); bias act[(Hq + 2 Hk) D] (optional) is then added (q, k, v
+        parts in that order); the results are rounded and written back into q, k and v."""
 
     def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
                   seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
@@ -109,8 +122,10 @@ class Backend(Protocol):
         of b sits at position seq_lens[b] - L_b + j and attends to positions 0..itself.
         GQA: query head h reads kv head h // (Hq // Hk). Softmax in fp32."""
 
-    def silu_mul(self, x: Array) -> Array:
-        """x act[T, 2I] -> act[T, I] = silu(x[:, :I]) * x[:, I:]."""
+    def silu_mul(self, x: Array, rms_of: Array | None = None, eps: float = 0.0) -> Array:
+        """x act[T, 2I] -> act[T, I] = silu(x[:, :I]) * x[:, I:]. With rms_of act[T, H], both
+        halves of row t are first multiplied by rsqrt(mean(rms_of[t] ** 2) + eps) (the norm of
+        a folded projection, as in qk_norm_rope_write_kv)."""
 
     def gather_rows(self, x: Array, idx: Array) -> Array:
         """x act[T, H], idx i32[B] -> act[B, H]."""

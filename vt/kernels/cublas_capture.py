@@ -70,7 +70,7 @@ class CublasGemm:
         self._handle = handle
         self._stream: int | None = None
         self._alpha = ctypes.c_float(1.0)
-        self._beta = ctypes.c_float(0.0)
+        self._beta = (ctypes.c_float(0.0), ctypes.c_float(1.0))  # overwrite C, accumulate into C
 
     def _declare(self) -> None:
         lib = self._lib
@@ -140,8 +140,10 @@ class CublasGemm:
         c_ptr: int,
         ldc: int,
         c_type: int,
+        accumulate: bool = False,
     ) -> None:
-        """Column-major C[m, n] = op(A) op(B), bf16 operands, fp32 compute, C in bf16 or f32."""
+        """Column-major C[m, n] = op(A) op(B) (+ C with accumulate), bf16 operands, fp32
+        compute and accumulation, C in bf16 or f32."""
         self._bind(stream_ptr)
         status = self._lib.cublasGemmEx(
             self._handle,
@@ -157,7 +159,7 @@ class CublasGemm:
             _VP(b_ptr),
             CUDA_R_16BF,
             ldb,
-            ctypes.byref(self._beta),
+            ctypes.byref(self._beta[accumulate]),
             _VP(c_ptr),
             c_type,
             ldc,
@@ -177,8 +179,9 @@ class CublasGemm:
         n: int,
         k: int,
         out_f32: bool,
+        accumulate: bool = False,
     ) -> None:
-        """Row-major y[rows, n] = x[rows, k] @ w[n, k]^T: column-major y^T = op_T(w) x^T."""
+        """Row-major y[rows, n] (+)= x[rows, k] @ w[n, k]^T: column-major y^T = op_T(w) x^T."""
         self.gemm(
             stream_ptr,
             OP_T,
@@ -193,6 +196,7 @@ class CublasGemm:
             y_ptr,
             n,
             CUDA_R_32F if out_f32 else CUDA_R_16BF,
+            accumulate,
         )
 
     def close(self) -> None:

@@ -54,6 +54,18 @@ __device__ float block_sum(float v, float* scratch) {
     __syncthreads();
     return warp_sum(lane < nw ? scratch[lane] : 0.f);
 }
+// rsqrt(mean(row ** 2) + eps) of one bf16 row (width % 8 == 0, 16-byte aligned), for the whole
+// block: every thread calls it and gets the same value.
+__device__ float row_inv_rms(const bf16_t* row, int width, float eps, float* scratch) {
+    float ss = 0.f;
+    for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+        float f[8];
+        load8(row + c, f);
+        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = block_sum(ss, scratch);
+    return rsqrtf(ss / (float)width + eps);
+}
 __device__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_max(v);

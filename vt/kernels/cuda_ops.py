@@ -143,6 +143,8 @@ class CudaBackend:
                 "write_kv_k",
                 "qk_norm_rope_write_kv_k",
                 "silu_mul_k",
+                "rms_scale_k",
+                "scale_columns_k",
                 "bias_add_k",
                 "fill_from_last_k",
             ),
@@ -347,7 +349,25 @@ class CudaBackend:
     def logits(self, x: cupy.ndarray, w: cupy.ndarray) -> cupy.ndarray:
         return self._gemm(x, w, out_f32=True)
 
-    def _gemm(self, x: cupy.ndarray, w: cupy.ndarray, out_f32: bool) -> cupy.ndarray:
+    def linear_residual(self, x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray) -> None:
+        self._rows_ok(residual, "linear_residual residual")
+        if residual.shape != (x.shape[0], w.shape[0]):
+            raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
+        self._gemm(x, w, out_f32=False, accumulate=residual)
+
+    def fold_norm_weight(self, w: cupy.ndarray, norm: cupy.ndarray) -> None:
+        self._rows_ok(w, "fold_norm_weight w")
+        rows, cols = w.shape
+        if norm.shape != (cols,) or norm.dtype != np.uint16:
+            raise ValueError(f"fold_norm_weight: norm {norm.dtype}{norm.shape} does not match w {w.shape}")
+        chunks = rows * cols // 8
+        if chunks:
+            grid = (-(-chunks // 256),)
+            self._launch("scale_columns_k", grid, (256,), (w, norm, np.int64(rows), _i32(cols)))
+            self._settled(w)
+
+    def _gemm(self, x: cupy.ndarray, w: cupy.ndarray, out_f32: bool,
+              accumulate: cupy.ndarray | None = None) -> cupy.ndarray:
         if x.ndim != 2 or w.ndim != 2 or x.dtype != np.uint16 or w.dtype != np.uint16:
             raise ValueError(f"linear needs 2-d act arrays, got x {x.dtype}{x.shape}, w {w.dtype}{w.shape}")
         t, k = x.shape
@@ -356,13 +376,12 @@ class CudaBackend:
             raise ValueError(f"linear: x has {k} columns but w has {kw}")
         if not w.flags.c_contiguous or x.strides[1] != 2:
             raise ValueError("linear: w must be C-contiguous and x rows contiguous")
-        y = self._out((t, n), np.float32 if out_f32 else np.uint16)
+        y = self._out((t, n), np.float32 if out_f32 else np.uint16) if accumulate is None else accumulate
         if t and n:
             ld = x.strides[0] // 2 if t > 1 else k
             gemm = self._current_gemm()
-            gemm.linear(
-                cupy.cuda.get_current_stream().ptr, x.data.ptr, ld, w.data.ptr, y.data.ptr, t, n, k, out_f32
-            )
+            gemm.linear(cupy.cuda.get_current_stream().ptr, x.data.ptr, ld, w.data.ptr, y.data.ptr, t, n, k,
+                        out_f32, accumulate=accumulate is not None)
         return y
 
     def _current_gemm(self) -> CublasGemm:
@@ -421,12 +440,28 @@ class CudaBackend:
         k_cache: cupy.ndarray,
         v_cache: cupy.ndarray,
         slot_mapping: cupy.ndarray,
+        rms_of: cupy.ndarray | None = None,
+        bias: cupy.ndarray | None = None,
     ) -> None:
         t, hq, d = q.shape
         hk = k.shape[1]
         nb, bs, hkc, dc = k_cache.shape
+        if rms_of is not None:
+            self._rows_ok(rms_of, "qk_norm_rope_write_kv rms_of")
+            if rms_of.shape[0] != t:
+                raise ValueError(f"qk_norm_rope_write_kv: rms_of has {rms_of.shape[0]} rows for {t} tokens")
+        if bias is not None and (bias.shape != ((hq + 2 * hk) * d,) or bias.dtype != np.uint16):
+            raise ValueError(f"qk_norm_rope_write_kv: bias {bias.dtype}{bias.shape} is not act[(Hq+2Hk)D]")
+        width = 0 if rms_of is None else rms_of.shape[1]
         if d % 16 or d > 256 or (q_norm is None) != (k_norm is None):
             # Shapes the one-warp-per-head kernel does not cover take the three-op path.
+            if (rms_of is not None or bias is not None) and t:
+                for x, lo in ((q, 0), (k, hq * d), (v, (hq + hk) * d)):
+                    n = x.shape[1] * d
+                    self._launch("rms_scale_k", (t,), (256,),
+                                 (x, _i32(_token_stride(x, "qk_norm_rope_write_kv")), _i32(n),
+                                  0 if rms_of is None else rms_of, _i32(width), _f32(eps),
+                                  0 if bias is None else bias[lo : lo + n]))
             norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                        v_cache, slot_mapping)
             return
@@ -444,7 +479,8 @@ class CudaBackend:
                 (256,),
                 (q, _i32(qs), k, _i32(ks), v, _i32(vs), 0 if q_norm is None else q_norm,
                  0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
-                 slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d)),
+                 slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d),
+                 0 if rms_of is None else rms_of, _i32(width), 0 if bias is None else bias),
             )
 
     def attention(
@@ -510,16 +546,21 @@ class CudaBackend:
             )
         return out
 
-    def silu_mul(self, x: cupy.ndarray) -> cupy.ndarray:
+    def silu_mul(self, x: cupy.ndarray, rms_of: cupy.ndarray | None = None, eps: float = 0.0) -> cupy.ndarray:
         self._rows_ok(x, "silu_mul x")
         t, two_i = x.shape
         inter = two_i // 2
         if inter % 8:
             raise ValueError(f"silu_mul: half width {inter} must be a multiple of 8")
+        if rms_of is not None:
+            self._rows_ok(rms_of, "silu_mul rms_of")
+            if rms_of.shape[0] != t:
+                raise ValueError(f"silu_mul: rms_of has {rms_of.shape[0]} rows for {t} tokens")
         out = self._out((t, inter), np.uint16)
-        chunks = t * inter // 8
-        if chunks:
-            self._launch("silu_mul_k", (-(-chunks // 256),), (256,), (x, out, _i32(t), _i32(inter)))
+        if t and inter:
+            self._launch("silu_mul_k", (t, -(-inter // 8 // 512)), (256,),
+                         (x, out, _i32(t), _i32(inter), 0 if rms_of is None else rms_of,
+                          _i32(0 if rms_of is None else rms_of.shape[1]), _f32(eps)))
         return out
 
     # ---- step plumbing --------------------------------------------------------------------

@@ -120,38 +120,55 @@ extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride
     }
 }
 
+// x * s + b (b may be null), rounded to bf16 as the projection's stored output would be.
+__device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) {
+    float g[8];
+    if (b != nullptr) load8(b, g);
+    for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(b != nullptr ? f[e] * s + g[e] : f[e] * s));
+}
+
 // The attention prologue in one launch (head_rms_norm of q and k, neox rope, write_kv), bit
 // for bit equal to head_rms_norm_k + rope_k + write_kv_k: the same sum order, and bf16 rounding
 // after the norm and after the rotation. One warp per head row of a token: rows 0..hq-1 are q
 // heads, then hk k heads, then hk v heads (copied to the cache). Lane l holds elements 8l..8l+7
 // (d <= 256, d % 16 == 0); the rotation partner of a lane is the lane d/16 away.
+// rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
+// (the input norm, its weight folded into the qkv projection), then bias (may be null) is
+// added, and the rounded values are written back into q, k and v.
 extern "C" __global__ void qk_norm_rope_write_kv_k(
-    bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, const bf16_t* __restrict__ v,
+    bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, bf16_t* __restrict__ v,
     int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,
     const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache,
     bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
-    int hk, int d) {
+    int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias) {
+    __shared__ float scratch[32];
     const int t = blockIdx.x;
+    if (t >= tokens) return;
     const int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    if (t >= tokens || row >= hq + 2 * hk) return;
-    const long long slot = slot_mapping[t];
-    const bool cache = slot >= 0 && slot < num_slots;
-    const bool mine = lane * 8 < d;
-    if (row >= hq + hk) {  // v head: straight into the cache
-        const int h = row - hq - hk;
-        if (cache && mine)
-            *reinterpret_cast<uint4*>(v_cache + ((size_t)slot * hk + h) * d + lane * 8) =
-                *reinterpret_cast<const uint4*>(v + (size_t)t * v_stride + (size_t)h * d + lane * 8);
-        return;
-    }
-    const bool is_q = row < hq;
-    const int h = is_q ? row : row - hq;
-    bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
-    const bf16_t* w = is_q ? q_norm : k_norm;
+    const bool mine = lane * 8 < d && row < hq + 2 * hk;
+    const bool is_v = row >= hq + hk, is_q = row < hq;
+    const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
+    bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d
+               : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
+    // The row, slot and position are loaded before the token's scale is reduced, so the reads overlap.
     float f[8];
     if (mine) load8(xr + lane * 8, f);
     else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+    const long long slot = slot_mapping[t];
+    const float pos = (float)positions[t];
+    const float scale = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
+    if (row >= hq + 2 * hk) return;
+    const bool cache = slot >= 0 && slot < num_slots;
+    if (mine && (rms_of != nullptr || bias != nullptr))
+        scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + lane * 8 : nullptr);
+    if (is_v) {  // v head: into the cache (and back into v when scaled)
+        if (!mine) return;
+        if (rms_of != nullptr || bias != nullptr) store8(xr + lane * 8, f);
+        if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + lane * 8, f);
+        return;
+    }
+    const bf16_t* w = is_q ? q_norm : k_norm;
     if (w != nullptr) {
         float ss = 0.f;
         for (int e = 0; e < 8; ++e) ss = __fmaf_rn(f[e], f[e], ss);
@@ -169,7 +186,6 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     float other[8];
     for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner & 31);
     if (!mine) return;
-    const float pos = (float)positions[t];
     float r[8];
     for (int e = 0; e < 8; ++e) {
         const int i = (first ? lane * 8 : lane * 8 - half) + e;
@@ -181,18 +197,65 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + lane * 8, r);
 }
 
-// out[t, :] = silu(x[t, :inter]) * x[t, inter:]; one thread per 8 outputs.
-extern "C" __global__ void silu_mul_k(const bf16_t* __restrict__ x, bf16_t* __restrict__ out,
-                                      int tokens, int inter) {
-    const long long chunk = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// x[t, :n] = x * s_t + bias in place on token-strided rows, s_t = rsqrt(mean(rms_of[t]^2) + eps)
+// (1 without rms_of), bias may be null: the prologue's prescale for shapes its kernel does not take.
+extern "C" __global__ void rms_scale_k(bf16_t* __restrict__ x, int x_stride, int n, const bf16_t* __restrict__ rms_of,
+                                       int rms_width, float eps, const bf16_t* __restrict__ bias) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    const float s = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
+    for (int c = threadIdx.x * 8; c < n; c += blockDim.x * 8) {
+        float f[8];
+        load8(x + (size_t)t * x_stride + c, f);
+        scale_bias8(f, s, bias != nullptr ? bias + c : nullptr);
+        store8(x + (size_t)t * x_stride + c, f);
+    }
+}
+
+// out[t, :] = silu(s x[t, :inter]) * (s x[t, inter:]), s = rsqrt(mean(rms_of[t]^2) + eps), or 1
+// without rms_of (the post-attention norm, its weight folded into gate_up). Grid (tokens, parts):
+// a block does 2 * blockDim.x chunks of 8 outputs of one row. The inputs are loaded before the
+// row's scale is reduced, so the two reads' latencies overlap.
+extern "C" __global__ void silu_mul_k(const bf16_t* __restrict__ x, bf16_t* __restrict__ out, int tokens, int inter,
+                                      const bf16_t* __restrict__ rms_of, int rms_width, float eps) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    if (t >= tokens) return;
     const int per_row = inter / 8;
-    if (chunk >= (long long)tokens * per_row) return;
-    const int t = (int)(chunk / per_row), c = (int)(chunk % per_row) * 8;
-    float g[8], u[8];
-    load8(x + (size_t)t * 2 * inter + c, g);
-    load8(x + (size_t)t * 2 * inter + inter + c, u);
-    for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.f + expf(-g[e])) * u[e];
-    store8(out + (size_t)t * inter + c, g);
+    const bf16_t* xr = x + (size_t)t * 2 * inter;
+    float g[2][8], u[2][8];
+    int chunk[2];
+    for (int j = 0; j < 2; ++j) {
+        chunk[j] = (blockIdx.y * 2 + j) * blockDim.x + threadIdx.x;
+        if (chunk[j] < per_row) {
+            load8(xr + chunk[j] * 8, g[j]);
+            load8(xr + inter + chunk[j] * 8, u[j]);
+        }
+    }
+    const float s = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
+    for (int j = 0; j < 2; ++j) {
+        if (chunk[j] >= per_row) return;
+        for (int e = 0; e < 8; ++e) {
+            const float a = g[j][e] * s;
+            g[j][e] = a / (1.f + expf(-a)) * (u[j][e] * s);
+        }
+        store8(out + (size_t)t * inter + chunk[j] * 8, g[j]);
+    }
+}
+
+// w[r, :] *= s per column, in place (an RMS norm's weight folded into the projection after it).
+extern "C" __global__ void scale_columns_k(bf16_t* __restrict__ w, const bf16_t* __restrict__ s, long long rows,
+                                           int cols) {
+    const long long chunk = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = cols / 8;
+    if (chunk >= rows * per_row) return;
+    const long long r = chunk / per_row;
+    const int c = (int)(chunk % per_row) * 8;
+    float a[8], b[8];
+    load8(w + r * cols + c, a);
+    load8(s + c, b);
+    for (int e = 0; e < 8; ++e) a[e] *= b[e];
+    store8(w + r * cols + c, a);
 }
 
 // y[t, :] += bias (in place on the GEMM output).

@@ -21,6 +21,12 @@ def _np_dtype(dtype: str) -> type:
         raise ValueError(f"unknown backend dtype {dtype!r}; expected one of {tuple(_DTYPES)}") from None
 
 
+def _inv_rms(r: np.ndarray, eps: float) -> np.ndarray:
+    """rsqrt(mean(r ** 2) + eps) per row, as a column [T, 1]."""
+    var = np.mean(np.square(r, dtype=np.float32), axis=-1, keepdims=True)
+    return np.float32(1) / np.sqrt(var + np.float32(eps))
+
+
 class _Replay:
     """What capture() returns on numpy: replaying simply re-runs the function."""
 
@@ -77,6 +83,16 @@ class NumpyBackend:
         y = x @ w.T
         return y if bias is None else y + bias
 
+    def linear_residual(self, x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> None:
+        if residual.shape != (x.shape[0], w.shape[0]):
+            raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
+        residual += x @ w.T
+
+    def fold_norm_weight(self, w: np.ndarray, norm: np.ndarray) -> None:
+        if norm.shape != (w.shape[1],):
+            raise ValueError(f"fold_norm_weight: norm {norm.shape} does not match w {w.shape}")
+        w *= norm[None, :]
+
     def rope(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> None:
         angle = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
         cos = np.cos(angle)[:, None, :]
@@ -101,7 +117,13 @@ class NumpyBackend:
     def qk_norm_rope_write_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                               q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
                               positions: np.ndarray, inv_freq: np.ndarray, k_cache: np.ndarray,
-                              v_cache: np.ndarray, slot_mapping: np.ndarray) -> None:
+                              v_cache: np.ndarray, slot_mapping: np.ndarray,
+                              rms_of: np.ndarray | None = None, bias: np.ndarray | None = None) -> None:
+        if rms_of is not None or bias is not None:
+            s = np.float32(1) if rms_of is None else _inv_rms(rms_of, eps)[:, :, None]
+            parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3
+            for x, b in zip((q, k, v), parts, strict=True):
+                x[...] = x * s if b is None else x * s + b.reshape(x.shape[1:])
         norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                    v_cache, slot_mapping)
 
@@ -139,9 +161,12 @@ class NumpyBackend:
             out[start:end] = np.einsum("kgls,skd->lkgd", p, vals).reshape(length, hq, d)
         return out
 
-    def silu_mul(self, x: np.ndarray) -> np.ndarray:
+    def silu_mul(self, x: np.ndarray, rms_of: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
         half = x.shape[-1] // 2
         gate, up = x[:, :half], x[:, half:]
+        if rms_of is not None:
+            s = _inv_rms(rms_of, eps)
+            gate, up = gate * s, up * s
         return gate / (np.float32(1) + np.exp(-gate)) * up
 
     def gather_rows(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:

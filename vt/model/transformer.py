@@ -2,6 +2,12 @@
 
 Qwen3 adds per-head q/k RMS norm; Qwen2 (and Llama with attention_bias) adds q/k/v biases.
 Only backend ops, .reshape and slicing touch arrays here: no host syncs inside forward.
+
+The two RMS norms of a layer launch nothing of their own. Each norm's weight is folded into the
+projection that reads it (qkv, gate_up) at load, the projection reads the residual stream as it
+is, and the op after it (the attention prologue, silu_mul) scales each row by the row's
+rsqrt(mean square); that per-row factor commutes with the GEMM. The residual adds happen in the
+output projections (o_proj, down) accumulating into the residual stream.
 """
 
 from __future__ import annotations
@@ -19,14 +25,12 @@ from vt.model.batch import ForwardBatch
 
 @dataclass
 class _Layer:
-    input_norm: Array
-    qkv: Array          # [(Hq + 2 Hk) D, H]: q, k, v projections stacked along the output dim
+    qkv: Array          # [(Hq + 2 Hk) D, H]: q, k, v stacked along the output dim, input norm folded in
     qkv_bias: Array | None
     q_norm: Array | None
     k_norm: Array | None
     o_proj: Array
-    post_norm: Array
-    gate_up: Array      # [2 I, H]: gate then up
+    gate_up: Array      # [2 I, H]: gate then up, post-attention norm folded in
     down: Array
 
 
@@ -58,14 +62,14 @@ class Transformer:
                                                       w(a + "v_proj.bias")], axis=0))
             gate_up = ops.upload(np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")],
                                                 axis=0))
+            ops.fold_norm_weight(qkv, ops.upload(w(p + "input_layernorm.weight")))
+            ops.fold_norm_weight(gate_up, ops.upload(w(p + "post_attention_layernorm.weight")))
             self.layers.append(_Layer(
-                input_norm=ops.upload(w(p + "input_layernorm.weight")),
                 qkv=qkv,
                 qkv_bias=qkv_bias,
                 q_norm=ops.upload(w(a + "q_norm.weight")) if cfg.qk_norm else None,
                 k_norm=ops.upload(w(a + "k_norm.weight")) if cfg.qk_norm else None,
                 o_proj=ops.upload(w(a + "o_proj.weight")),
-                post_norm=ops.upload(w(p + "post_attention_layernorm.weight")),
                 gate_up=gate_up,
                 down=ops.upload(w(p + "mlp.down_proj.weight")),
             ))
@@ -90,14 +94,13 @@ class Transformer:
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: list[tuple[Array, Array]]) -> Any:
         """Logits f32[B, V] for the rows batch.logits_indices of this ragged step."""
-        x, residual = self.hidden(batch, kv)
-        return self.head(x, residual, batch.logits_indices)
+        return self.head(self.hidden(batch, kv), batch.logits_indices)
 
     def hidden(self, batch: ForwardBatch, kv: list[tuple[Array, Array]],
-               attend: Callable[..., Array] | None = None) -> tuple[Array, Array]:
-        """The layers: (hidden state, residual) act[T, H] before the final norm. attend, if
-        given, stands in for ops.attention (same arguments, returns the output) once per layer:
-        the runner's piecewise graphs cut their capture there."""
+               attend: Callable[..., Array] | None = None) -> Array:
+        """The layers: the residual stream act[T, H] before the final norm. attend, if given,
+        stands in for ops.attention (same arguments, returns the output) once per layer: the
+        runner's piecewise graphs cut their capture there."""
         cfg, ops = self.cfg, self.ops
         attention = ops.attention if attend is None else attend
         if len(kv) != cfg.num_layers:
@@ -107,43 +110,32 @@ class Transformer:
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         eps = cfg.rms_norm_eps
 
-        x = ops.embed(batch.input_ids, self.embed)
-        residual = None
-        # The arena is two alternating regions, one per layer parity: layer l's outputs (hidden
-        # state and residual) stay intact while layer l + 1 runs in the other region, and layer
-        # l + 2 reuses l's region once l + 1 has consumed them. A step's workspace is then two
-        # layers' activations, not all of them, and nothing is copied between layers.
-        starts: list[int | None] = [_arena_mark(ops), None]
-        for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
-            if starts[0] is not None:
-                if starts[li % 2] is None:
-                    starts[1] = ops.arena_mark()
-                ops.arena_reset(starts[li % 2])
-                if residual is None:  # layer 0 makes no residual buffer: take its room anyway,
-                    ops.scratch((t, cfg.hidden_size), "act")  # so every layer's footprint is equal
-            h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+        # The residual stream is the only thing that crosses layers, updated in place; every
+        # layer's other outputs reuse one arena region after it.
+        r = ops.embed(batch.input_ids, self.embed)
+        start = _arena_mark(ops)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            if start is not None:
+                ops.arena_reset(start)
+            qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
             k = qkv[:, q_end:k_end].reshape(t, hk, d)
             v = qkv[:, k_end:].reshape(t, hk, d)
             ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions,
-                                      self.inv_freq, k_cache, v_cache, batch.slot_mapping)
+                                      self.inv_freq, k_cache, v_cache, batch.slot_mapping,
+                                      rms_of=r, bias=layer.qkv_bias)
             o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                           self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes)
-            x = ops.linear(o.reshape(t, self.q_dim), layer.o_proj, None)
-            h, residual = ops.rms_norm(x, layer.post_norm, eps, residual)
-            x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, None)), layer.down, None)
-            if li % 2 == 0 and starts[1] is not None and ops.arena_mark() > starts[1]:
-                raise RuntimeError("a layer's workspace outgrew the first layer's; regions overlap")
-        return x, residual
+            ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
+            gate_up = ops.linear(r, layer.gate_up, None)
+            ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
+        return r
 
-    def head(self, x: Array, residual: Array, logits_indices: Array) -> Any:
-        """Final norm and lm_head for rows logits_indices -> logits f32[B, V]."""
+    def head(self, r: Array, logits_indices: Array) -> Any:
+        """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
         ops = self.ops
         # The final norm is per row, so gather the sampled rows first and normalize only those.
-        x_last = ops.gather_rows(x, logits_indices)
-        r_last = ops.gather_rows(residual, logits_indices)
-        h, _ = ops.rms_norm(x_last, self.final_norm, self.cfg.rms_norm_eps, r_last)
+        h, _ = ops.rms_norm(ops.gather_rows(r, logits_indices), self.final_norm, self.cfg.rms_norm_eps, None)
         return ops.logits(h, self.lm_head)
 
 
