@@ -558,7 +558,8 @@ class CudaBackend:
                 raise ValueError(f"silu_mul: rms_of has {rms_of.shape[0]} rows for {t} tokens")
         out = self._out((t, inter), np.uint16)
         if t and inter:
-            self._launch("silu_mul_k", (t, -(-inter // 8 // 512)), (256,),
+            threads = 256  # each thread does two chunks of 8 outputs of its block's row
+            self._launch("silu_mul_k", (t, -(-inter // 8 // (2 * threads))), (threads,),
                          (x, out, _i32(t), _i32(inter), 0 if rms_of is None else rms_of,
                           _i32(0 if rms_of is None else rms_of.shape[1]), _f32(eps)))
         return out

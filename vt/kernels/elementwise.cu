@@ -160,11 +160,11 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     const float scale = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
     if (row >= hq + 2 * hk) return;
     const bool cache = slot >= 0 && slot < num_slots;
-    if (mine && (rms_of != nullptr || bias != nullptr))
-        scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + lane * 8 : nullptr);
+    const bool prescale = rms_of != nullptr || bias != nullptr;
+    if (mine && prescale) scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + lane * 8 : nullptr);
     if (is_v) {  // v head: into the cache (and back into v when scaled)
         if (!mine) return;
-        if (rms_of != nullptr || bias != nullptr) store8(xr + lane * 8, f);
+        if (prescale) store8(xr + lane * 8, f);
         if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + lane * 8, f);
         return;
     }

@@ -21,10 +21,10 @@ def _np_dtype(dtype: str) -> type:
         raise ValueError(f"unknown backend dtype {dtype!r}; expected one of {tuple(_DTYPES)}") from None
 
 
-def _inv_rms(r: np.ndarray, eps: float) -> np.ndarray:
-    """rsqrt(mean(r ** 2) + eps) per row, as a column [T, 1]."""
-    var = np.mean(np.square(r, dtype=np.float32), axis=-1, keepdims=True)
-    return np.float32(1) / np.sqrt(var + np.float32(eps))
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    """sqrt(mean(x ** 2) + eps) over the last axis, kept as an axis of size 1."""
+    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return np.sqrt(var + np.float32(eps))
 
 
 class _Replay:
@@ -72,12 +72,10 @@ class NumpyBackend:
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                  residual: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         r = x if residual is None else x + residual
-        var = np.mean(np.square(r, dtype=np.float32), axis=-1, keepdims=True)
-        return (r / np.sqrt(var + np.float32(eps))) * weight, r
+        return (r / _rms(r, eps)) * weight, r
 
     def head_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-        return (x / np.sqrt(var + np.float32(eps))) * weight
+        return (x / _rms(x, eps)) * weight
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         y = x @ w.T
@@ -120,10 +118,10 @@ class NumpyBackend:
                               v_cache: np.ndarray, slot_mapping: np.ndarray,
                               rms_of: np.ndarray | None = None, bias: np.ndarray | None = None) -> None:
         if rms_of is not None or bias is not None:
-            s = np.float32(1) if rms_of is None else _inv_rms(rms_of, eps)[:, :, None]
+            rms = np.float32(1) if rms_of is None else _rms(rms_of, eps)[:, :, None]
             parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3
             for x, b in zip((q, k, v), parts, strict=True):
-                x[...] = x * s if b is None else x * s + b.reshape(x.shape[1:])
+                x[...] = x / rms if b is None else x / rms + b.reshape(x.shape[1:])
         norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                    v_cache, slot_mapping)
 
@@ -165,8 +163,8 @@ class NumpyBackend:
         half = x.shape[-1] // 2
         gate, up = x[:, :half], x[:, half:]
         if rms_of is not None:
-            s = _inv_rms(rms_of, eps)
-            gate, up = gate * s, up * s
+            rms = _rms(rms_of, eps)
+            gate, up = gate / rms, up / rms
         return gate / (np.float32(1) + np.exp(-gate)) * up
 
     def gather_rows(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
