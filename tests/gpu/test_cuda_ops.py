@@ -406,6 +406,64 @@ def test_attention_with_decodes_first_into_out(cb, nb, rng, q_lens, ctx_lens):
         nb.attention(q, kc, vc, *args, decode_seqs=ndec + 1)
 
 
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (16, 8, 64), (8, 1, 128)])
+def test_attention_started_during_the_prologue_reads_what_it_wrote(cb, nb, rng, hq, hk, d):
+    """follows_kv_write: attention launched as a dependent of qk_norm_rope_write_kv, eager and
+    replayed from a graph, uses that op's q and new K/V (the new key in the first, second or a
+    later key tile, split keys): bit for bit the plain launch, within bf16 of numpy."""
+    bs, eps = 16, 1e-6
+    ctx = [1, 2, 64, 65, 129, 3000, 17, 700]
+    t, width = len(ctx), (hq + 2 * hk) * d
+    _, kc0, vc0, qsl, seq_lens, table = _paged_batch(rng, [1] * t, ctx, hq, hk, d, bs)
+    pos = (seq_lens - 1).astype(np.int32)
+    slots = (table[np.arange(t), pos // bs] * bs + pos % bs).astype(np.int32)
+    qkv = bf16(rng.standard_normal((t, width)) * 3)
+    r = bf16(rng.standard_normal((t, 256)) * rng.uniform(0.1, 30, (t, 1)))
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    qw, kw = bf16(rng.uniform(0.5, 1.5, d)), bf16(rng.uniform(0.5, 1.5, d))
+
+    def views(buf):
+        return (buf[:, : hq * d].reshape(t, hq, d), buf[:, hq * d : (hq + hk) * d].reshape(t, hk, d),
+                buf[:, (hq + hk) * d :].reshape(t, hk, d))
+
+    ref_qkv, rkc, rvc = qkv.copy(), kc0.copy(), vc0.copy()
+    nb.qk_norm_rope_write_kv(*views(ref_qkv), qw, kw, eps, pos, inv_freq, rkc, rvc, slots, rms_of=r)
+    ref = nb.attention(views(ref_qkv)[0], rkc, rvc, qsl, seq_lens, table, d**-0.5, 1, max(ctx))
+
+    dev_qkv, kc, vc = act(cb, qkv), act(cb, kc0), act(cb, vc0)
+    pristine = [act(cb, a) for a in (qkv, kc0, vc0)]
+    consts = [cb.from_host(a, k) for a, k in ((pos, "i32"), (inv_freq, "f32"), (slots, "i32"))]
+    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+    weights = (act(cb, qw), act(cb, kw), act(cb, r))
+    result = {}
+
+    def step(follows: bool) -> None:
+        q, k, v = views(dev_qkv)
+        cb.qk_norm_rope_write_kv(q, k, v, weights[0], weights[1], eps, consts[0], consts[1], kc, vc,
+                                 consts[2], rms_of=weights[2])
+        result["out"] = cb.attention(q, kc, vc, *dev, d**-0.5, 1, max(ctx), follows_kv_write=follows)
+
+    def reset() -> None:
+        for a, b in zip((dev_qkv, kc, vc), pristine, strict=True):
+            a[...] = b
+
+    outs = {}
+    for follows in (False, True):
+        with cb.slot(0):
+            reset()
+            step(follows)
+            outs[follows] = cb.to_host(result["out"])
+    np.testing.assert_array_equal(outs[True], outs[False])
+    assert rel_err(outs[True], ref) < BF16_TOL
+    graph = cb.capture(0, lambda: step(True))
+    for _ in range(5):
+        with cb.slot(0):
+            reset()
+            graph.replay()
+            got = cb.to_host(result["out"])
+        np.testing.assert_array_equal(got, outs[False])
+
+
 def test_attention_on_a_strided_q_view(cb, nb, rng):
     hq, hk, d, bs = 4, 2, 64, 8
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [6, 1], [6, 30], hq, hk, d, bs)

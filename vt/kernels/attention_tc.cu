@@ -119,10 +119,19 @@ struct KvPipe {
         }
     }
     // The first STAGES - 1 tiles go out before the caller's Q reads, so their latencies overlap.
-    __device__ void start() const {
+    // Launched as a dependent of the kernel that writes Q and the new tokens' K/V, the block
+    // reads the block table and the tiles before `fresh_tile` (keys older than this step) while
+    // that kernel still runs, and waits for it before anything it writes.
+    __device__ void start(int fresh_tile) const {
         for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
         __syncthreads();
-        for (int i = 0; i < STAGES - 1; ++i) {
+        int i = 0;
+        for (; i < STAGES - 1 && tile0 + i < fresh_tile; ++i) {
+            if (tile0 + i < tile1) load(tile0 + i);
+            cp_async_commit();
+        }
+        grid_dependency_wait();
+        for (; i < STAGES - 1; ++i) {
             if (tile0 + i < tile1) load(tile0 + i);
             cp_async_commit();
         }
@@ -209,7 +218,7 @@ __device__ __forceinline__ void attention_tc_body(
 
     const Pipe pipe{reinterpret_cast<bf16_t*>(smem), reinterpret_cast<unsigned int*>(smem + Pipe::KV_BYTES),
                     k_cache, v_cache, block_tables + (size_t)b * max_blocks, block_size, hk, kh, kv_end, tile0, tile1};
-    pipe.start();
+    pipe.start((ctx - qlen) / TC_KT);
 
     // Q fragments (A operand, row major), straight from global memory.
     unsigned int qa[DK][4];
@@ -394,7 +403,7 @@ __device__ __forceinline__ void attention_tc_dec8_body(
 
     const Pipe pipe{reinterpret_cast<bf16_t*>(smem), reinterpret_cast<unsigned int*>(smem + Pipe::KV_BYTES),
                     k_cache, v_cache, block_tables + (size_t)b * max_blocks, block_size, hk, kh, kv_end, tile0, tile1};
-    pipe.start();
+    pipe.start((ctx - qlen) / TC_KT);
 
     // Q^T fragments (B operand): row g of the tile, two dim pairs per k-step.
     unsigned int qb[DK][2];

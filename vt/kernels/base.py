@@ -112,11 +112,15 @@ class Backend(Protocol):
 
     def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
                   seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
-                  max_seq_len: int, out: Array | None = None, decode_seqs: int = 0) -> Array:
+                  max_seq_len: int, out: Array | None = None, decode_seqs: int = 0,
+                  follows_kv_write: bool = False) -> Array:
         """Causal attention of a ragged batch over the paged cache -> act[T, Hq, D] (into out
         when given: rows of no sequence are left as they were). decode_seqs: the first
         decode_seqs sequences have one query row each (a hint: CUDA runs them on its decode
         tiles and the rest on prefill tiles; the result is the same attention).
+        follows_kv_write: the op right before was this step's qk_norm_rope_write_kv, so q and
+        the keys at positions seq_lens[b] - L_b and later are the only inputs still being
+        written (a hint: CUDA overlaps the attention's start with that op; same result).
         Sequence b owns query rows query_start_loc[b] : query_start_loc[b + 1] (L_b rows); its
         context is seq_lens[b] tokens, found through block_tables i32[B, max_blocks]. Query row j
         of b sits at position seq_lens[b] - L_b + j and attends to positions 0..itself.

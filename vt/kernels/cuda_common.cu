@@ -98,6 +98,20 @@ __device__ void block_argmax(float& v, int& i, float* scratch_v, int* scratch_i)
     warp_argmax(v, i);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops where the grid was launched plainly).
+// grid_dependents_go: the kernels launched after this one as dependents may start now.
+// grid_dependency_wait: everything the kernel before wrote is visible after this returns.
+__device__ __forceinline__ void grid_dependents_go() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Where a block of the paged attention grid sits (x = row tile, y = kv head, z = sequence *
 // num_splits; rows are (token, GQA head) pairs of one kv head), and the key tiles of `kt` keys
 // it covers: up to the position of its last row, this split's share of them.

@@ -25,6 +25,7 @@ import numpy as np
 from vt.kernels.attention_plan import TC_HEAD_DIMS, TC_STAGES, attention_kernel, key_splits
 from vt.kernels.base import norm_rope_write_kv_unfused
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
+from vt.kernels.dependent_launch import DependentLauncher
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
@@ -117,6 +118,7 @@ class CudaBackend:
             for q_len in (1, 16, 64):
                 kernel, _, _, smem = attention_kernel(1, q_len, d)
                 self._resident_blocks(kernel, smem)
+        self._dependent = DependentLauncher.open()
         lib = load_libcublas()
         new_gemm = lambda: CublasGemm(lib, cupy.empty((cublas_workspace_bytes,), dtype=np.uint8))
         self._slots = [_Slot(workspace_bytes, new_gemm()) for _ in range(_NUM_SLOTS)]
@@ -183,6 +185,18 @@ class CudaBackend:
         self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
     ) -> None:
         self._kernels[name](grid, block, args, shared_mem=shared_mem)
+
+    def _launch_after(
+        self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+    ) -> None:
+        """Launch as a programmatic dependent of the kernel before it (the kernel must wait with
+        griddepcontrol before it reads what that one writes); plainly where the driver cannot."""
+        if self._dependent is None:
+            self._launch(name, grid, block, args, shared_mem)
+            return
+        fn = self._kernels[name]
+        func = getattr(fn, "kernel", None) or getattr(fn, "function", fn)
+        self._dependent.launch(func.ptr, grid, block, args, shared_mem)
 
     # ---- memory -------------------------------------------------------------------------
     def _arena(self) -> _Arena | None:
@@ -496,10 +510,13 @@ class CudaBackend:
         max_seq_len: int,
         out: cupy.ndarray | None = None,
         decode_seqs: int = 0,
+        follows_kv_write: bool = False,
     ) -> cupy.ndarray:
         """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
         the real values (capture with the largest ones the graph will serve). out, if given, is
-        a contiguous act[T, Hq, D] the result goes into."""
+        a contiguous act[T, Hq, D] the result goes into. follows_kv_write: the kernel launched
+        right before on this stream wrote only q and this step's K/V (qk_norm_rope_write_kv):
+        the tensor-core kernels then start while it runs, on the block tables and older keys."""
         qst = _token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -521,7 +538,7 @@ class CudaBackend:
             # group 4), so they get the decode tiles and the rest a launch of its own.
             d_ = decode_seqs
             self.attention(q, k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_], block_tables[:d_],
-                           scale, 1, max_seq_len, out)
+                           scale, 1, max_seq_len, out, follows_kv_write=follows_kv_write)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
                                   scale, max_query_len, max_seq_len, out)
         kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d, k_cache.size)
@@ -536,7 +553,8 @@ class CudaBackend:
                   _i32(block_tables.shape[1]), out, part_o, part_ml, _i32(t), _i32(hq), _i32(hk))
         tail = (_i32(bs), scale_log2, _i32(splits))
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
-        self._launch(kernel, (row_tiles, hk, b * splits), (128,), args, shared_mem=smem)
+        launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
+        launch(kernel, (row_tiles, hk, b * splits), (128,), args, shared_mem=smem)
         if splits > 1:
             self._launch(
                 "attention_combine_k",

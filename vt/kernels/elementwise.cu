@@ -142,6 +142,9 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
     int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias) {
     __shared__ float scratch[32];
+    // Attention, launched as a dependent, reads only the K/V this kernel does not write before
+    // it waits for it: let its blocks start on that now.
+    grid_dependents_go();
     const int t = blockIdx.x;
     if (t >= tokens) return;
     const int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -128,7 +128,8 @@ class NumpyBackend:
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   scale: float, max_query_len: int, max_seq_len: int,
-                  out: np.ndarray | None = None, decode_seqs: int = 0) -> np.ndarray:
+                  out: np.ndarray | None = None, decode_seqs: int = 0,
+                  follows_kv_write: bool = False) -> np.ndarray:
         t, hq, d = q.shape
         if decode_seqs and (np.diff(query_start_loc[: decode_seqs + 1]) != 1).any():
             raise ValueError(f"attention: the first {decode_seqs} sequences must have one query row each")

@@ -125,7 +125,8 @@ class Transformer:
                                       self.inv_freq, k_cache, v_cache, batch.slot_mapping,
                                       rms_of=r, bias=layer.qkv_bias)
             o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                          self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes)
+                          self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
+                          follows_kv_write=True)
             ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
             gate_up = ops.linear(r, layer.gate_up, None)
             ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
