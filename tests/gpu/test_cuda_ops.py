@@ -183,6 +183,29 @@ def test_linear_residual_adds_into_the_residual_and_fold_norm_weight(cb, nb, rng
     np.testing.assert_array_equal(cb.to_host(wd), bf16(folded))  # one product, rounded once
 
 
+@pytest.mark.parametrize("n,k", [(3072, 512), (512, 768)])
+def test_gemm_layout_keeps_linear_and_linear_residual(cb, nb, rng, n, k):
+    """A wide weight comes back column-major, others as they were; linear and linear_residual
+    read either order to the same product as numpy."""
+    t = 33
+    x, w, res = bf16(rng.standard_normal((t, k))), bf16(rng.standard_normal((n, k)) * 0.05), \
+        bf16(rng.standard_normal((t, n)) * 4)
+    wd = act(cb, w)
+    laid = cb.gemm_layout(wd)
+    assert (laid is wd) == (n < 4 * k)
+    assert laid.flags.f_contiguous == (n >= 4 * k)
+    np.testing.assert_array_equal(cb.to_host(laid), w)
+    with cb.slot(0):
+        y = cb.to_host(cb.linear(act(cb, x), laid, None))
+        r = act(cb, res)
+        cb.linear_residual(act(cb, x), laid, r)
+        got = cb.to_host(r)
+    assert rel_err(y, nb.linear(x, w, None)) < BF16_TOL
+    ref = res.copy()
+    nb.linear_residual(x, w, ref)
+    assert rel_err(got - res, ref - res) < BF16_TOL
+
+
 def test_linear_matches_cupy_gemmex_and_strided_rows(cb, rng):
     import cupy
     from cupy_backends.cuda.libs import cublas

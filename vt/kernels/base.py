@@ -86,6 +86,11 @@ class Backend(Protocol):
         """In place: residual act[T, N] += x act[T, K] @ w act[N, K].T, accumulated in fp32 with
         the residual and rounded once (a layer's residual add inside its output projection)."""
 
+    def gemm_layout(self, w: Array) -> Array:
+        """At setup: projection weight w act[N, K] (after any fold_norm_weight) as linear and
+        linear_residual should get it: the same matrix in the memory order this backend's GEMM
+        streams fastest for its shape (maybe a copy; use the result, not w, from then on)."""
+
     def fold_norm_weight(self, w: Array, norm: Array) -> None:
         """In place, at setup: w act[N, K] *= norm act[K] per column, so that
         linear(rms_norm(r) without its weight, w) equals linear(rms_norm(r) with it, w before)."""

@@ -180,17 +180,19 @@ class CublasGemm:
         k: int,
         out_f32: bool,
         accumulate: bool = False,
+        w_col_major: bool = False,
     ) -> None:
-        """Row-major y[rows, n] (+)= x[rows, k] @ w[n, k]^T: column-major y^T = op_T(w) x^T."""
+        """Row-major y[rows, n] (+)= x[rows, k] @ w[n, k]^T: column-major y^T = op_T(w) x^T, or
+        op_N(w) when w is stored column-major (w_col_major: element (i, j) at j * n + i)."""
         self.gemm(
             stream_ptr,
-            OP_T,
+            OP_N if w_col_major else OP_T,
             OP_N,
             n,
             rows,
             k,
             w_ptr,
-            k,
+            n if w_col_major else k,
             x_ptr,
             x_ld,
             y_ptr,

@@ -35,6 +35,7 @@ _ATTN_SMEM_MAX = 200 * 1024
 _GREEDY_EPS = 1e-5
 _SAMPLE_SPLIT_MIN = 16384  # fewest logits per block when a sampler row is split
 _LOG2E = 1.4426950408889634
+_COLUMN_MAJOR_MIN_ASPECT = 4  # gemm_layout: weights with N >= this * K are stored column-major
 _i32 = np.int32
 _f32 = np.float32
 
@@ -369,6 +370,13 @@ class CudaBackend:
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
         self._gemm(x, w, out_f32=False, accumulate=residual)
 
+    def gemm_layout(self, w: cupy.ndarray) -> cupy.ndarray:
+        # cuBLAS streams a wide weight (gate_up: N = 6 K) a few percent faster column-major,
+        # bit for bit the same product; the other projections are as fast or faster row-major.
+        if w.ndim == 2 and w.shape[0] >= _COLUMN_MAJOR_MIN_ASPECT * w.shape[1]:
+            return self._settled(cupy.asfortranarray(w))
+        return w
+
     def fold_norm_weight(self, w: cupy.ndarray, norm: cupy.ndarray) -> None:
         self._rows_ok(w, "fold_norm_weight w")
         rows, cols = w.shape
@@ -388,14 +396,15 @@ class CudaBackend:
         n, kw = w.shape
         if k != kw:
             raise ValueError(f"linear: x has {k} columns but w has {kw}")
-        if not w.flags.c_contiguous or x.strides[1] != 2:
-            raise ValueError("linear: w must be C-contiguous and x rows contiguous")
+        col_major = not w.flags.c_contiguous and w.flags.f_contiguous
+        if not (w.flags.c_contiguous or col_major) or x.strides[1] != 2:
+            raise ValueError("linear: w must be contiguous (C or Fortran order) and x rows contiguous")
         y = self._out((t, n), np.float32 if out_f32 else np.uint16) if accumulate is None else accumulate
         if t and n:
             ld = x.strides[0] // 2 if t > 1 else k
             gemm = self._current_gemm()
             gemm.linear(cupy.cuda.get_current_stream().ptr, x.data.ptr, ld, w.data.ptr, y.data.ptr, t, n, k,
-                        out_f32, accumulate=accumulate is not None)
+                        out_f32, accumulate=accumulate is not None, w_col_major=col_major)
         return y
 
     def _current_gemm(self) -> CublasGemm:

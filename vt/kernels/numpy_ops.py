@@ -86,6 +86,9 @@ class NumpyBackend:
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
         residual += x @ w.T
 
+    def gemm_layout(self, w: np.ndarray) -> np.ndarray:
+        return w
+
     def fold_norm_weight(self, w: np.ndarray, norm: np.ndarray) -> None:
         if norm.shape != (w.shape[1],):
             raise ValueError(f"fold_norm_weight: norm {norm.shape} does not match w {w.shape}")

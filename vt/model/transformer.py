@@ -65,13 +65,13 @@ class Transformer:
             ops.fold_norm_weight(qkv, ops.upload(w(p + "input_layernorm.weight")))
             ops.fold_norm_weight(gate_up, ops.upload(w(p + "post_attention_layernorm.weight")))
             self.layers.append(_Layer(
-                qkv=qkv,
+                qkv=ops.gemm_layout(qkv),
                 qkv_bias=qkv_bias,
                 q_norm=ops.upload(w(a + "q_norm.weight")) if cfg.qk_norm else None,
                 k_norm=ops.upload(w(a + "k_norm.weight")) if cfg.qk_norm else None,
-                o_proj=ops.upload(w(a + "o_proj.weight")),
-                gate_up=gate_up,
-                down=ops.upload(w(p + "mlp.down_proj.weight")),
+                o_proj=ops.gemm_layout(ops.upload(w(a + "o_proj.weight"))),
+                gate_up=ops.gemm_layout(gate_up),
+                down=ops.gemm_layout(ops.upload(w(p + "mlp.down_proj.weight"))),
             ))
         self.final_norm = ops.upload(w("model.norm.weight"))
         self.lm_head = self.embed if cfg.tie_word_embeddings else ops.upload(w("lm_head.weight"))
