@@ -23,6 +23,8 @@ for s in $steps; do
     model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
     e2e) VT_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_openai_e2e.py 2>&1 | tail -30 | tee "$OUT/e2e.log" ;;
     kernels) timeout 150 python3 bench/kernel_bench.py 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
+    gemm) timeout 200 python3 bench/gemm_decode.py --preset 8b --json "$OUT/gemm8.json" 2>&1 | tail -40 \
+      | tee "$OUT/gemm8.log" ;;
     bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,64,128,256 --context 512 \
       --modes "${MODES:-graph,eager}" 2>&1 | grep "^|" | tee "$OUT/decode06.log" ;;
     bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
