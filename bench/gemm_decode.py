@@ -5,7 +5,8 @@ against cuBLAS, same operands, same run.
 
 Every shape is checked first: the kernel's output against an fp32 product of the same bf16
 operands (relative norm error, beside cuBLAS' own), with accumulation into a residual, with
-padded token rows and a strided x, and bit for bit against a second launch and a graph replay.
+padded token rows and a strided x, and bit for bit against a second launch, a graph replay and
+a launch as a programmatic dependent.
 Then both are timed: REPS calls in one captured graph, the weight rotating through copies so
 every call reads it from HBM, median over replays. Floor = weight bytes / 4.25 TB/s.
 """
@@ -36,14 +37,18 @@ SHAPES = {
              "down": (1024, 3072, True)},
 }
 
-
-# checked, not timed: 300 tiles of two units each, so whole tiles beside tiles split in two
+# checked, not timed: 150 tiles of four units over 132 CTAs (runs of 4-5 units), so whole tiles
+# beside tiles split in two
 CHECK_ONLY = {"whole_and_split": (19200, 256, False)}
 
 
 def to_bf16(a: cupy.ndarray) -> cupy.ndarray:
     u = cupy.ascontiguousarray(a, dtype=cupy.float32).view(cupy.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+
+
+def rand_bf16(rng, shape: tuple[int, ...], scale: float = 1.0) -> cupy.ndarray:
+    return to_bf16(cupy.asarray(rng.standard_normal(shape) * scale, dtype=cupy.float32))
 
 
 def from_bf16(a: cupy.ndarray) -> cupy.ndarray:
@@ -59,10 +64,10 @@ def check(sk: StreamKGemm, ws, gemm: CublasGemm, dep: DependentLauncher, n: int,
     """Errors and repeatability of one shape; raises on a failure."""
     stream = cupy.cuda.Stream(non_blocking=True)
     ld = k + 64  # a strided x: rows further apart than k
-    xs = to_bf16(cupy.asarray(rng.standard_normal((rows, ld)), dtype=cupy.float32))
+    xs = rand_bf16(rng, (rows, ld))
     x = xs[:, :k]
-    w = to_bf16(cupy.asarray(rng.standard_normal((n, k)) / np.sqrt(k), dtype=cupy.float32))
-    res = to_bf16(cupy.asarray(rng.standard_normal((rows, n)) * 0.5, dtype=cupy.float32))
+    w = rand_bf16(rng, (n, k), 1 / np.sqrt(k))
+    res = rand_bf16(rng, (rows, n), 0.5)
     ref = from_bf16(cupy.ascontiguousarray(x)) @ from_bf16(w).T
     y, y2, y3, yc = (cupy.full((rows, n), 0xFFFF, dtype=cupy.uint16) for _ in range(4))
     acc = res.copy()
@@ -115,9 +120,8 @@ def time_shape(sk: StreamKGemm, ws, gemm: CublasGemm, dep: DependentLauncher, st
                n: int, k: int, rows: int, accumulate: bool, rng) -> dict:
     """Microseconds per call of cuBLAS and the stream-K kernel, weights read from HBM."""
     copies = max(2, -(-COPY_BYTES // (2 * n * k)))
-    weights = [to_bf16(cupy.asarray(rng.standard_normal((n, k)) / np.sqrt(k), dtype=cupy.float32))
-               for _ in range(copies)]
-    x = to_bf16(cupy.asarray(rng.standard_normal((rows, k)), dtype=cupy.float32))
+    weights = [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+    x = rand_bf16(rng, (rows, k))
     y = cupy.zeros((rows, n), dtype=cupy.uint16)
     cupy.cuda.Device().synchronize()  # made on the default stream, which `stream` does not wait for
     t_cublas = time_calls(stream, lambda i: gemm.linear(
