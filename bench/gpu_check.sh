@@ -25,6 +25,8 @@ for s in $steps; do
     kernels) timeout 150 python3 bench/kernel_bench.py 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     gemm) timeout 200 python3 bench/gemm_decode.py --preset 8b --json "$OUT/gemm8.json" 2>&1 | tail -40 \
       | tee "$OUT/gemm8.log" ;;
+    lt) timeout 400 python3 bench/lt_search.py --preset 8b --rows 64,128,256 --json "$OUT/lt8.json" 2>&1 \
+      | tail -60 | tee "$OUT/lt8.log" ;;
     bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,64,128,256 --context 512 \
       --modes "${MODES:-graph,eager}" 2>&1 | grep "^|" | tee "$OUT/decode06.log" ;;
     bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
