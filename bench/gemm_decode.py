@@ -96,18 +96,21 @@ def check(sk: StreamKGemm, ws, gemm: CublasGemm, dep: DependentLauncher, n: int,
     return out
 
 
-def time_calls(stream: cupy.cuda.Stream, call, reps: int = REPS) -> float:
-    """Median seconds per call(i) over graph replays of reps calls."""
+def time_calls(stream: cupy.cuda.Stream, call, reps: int = REPS, replays: int = REPLAYS) -> float:
+    """Median seconds per call(i) over graph replays of reps calls. A call that raises does so
+    before the capture (on the warm-up call) or ends the capture on its way out."""
     with stream:
         call(0)
         stream.synchronize()
         stream.begin_capture()
-        for i in range(reps):
-            call(i)
-        graph = stream.end_capture()
+        try:
+            for i in range(reps):
+                call(i)
+        finally:
+            graph = stream.end_capture()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start.record(stream)
         graph.launch(stream)
         end.record(stream)

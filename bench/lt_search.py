@@ -7,7 +7,7 @@ decode GEMMs at 1.3-1.75x their weight floor. This probe enumerates the configur
 instead: for each algorithm id of bf16 x bf16 -> bf16 with fp32 compute, every tile, stages id,
 split-K count, reduction scheme and cluster shape that `cublasLtMatmulAlgoCheck` accepts. Each
 is screened as 8 calls in a captured graph (weights rotating through copies, so they come from
-HBM); the best few are timed again as REPS calls a graph, as vt runs them, beside gemmEx, and their
+HBM); the best few are timed again as 36 calls a graph, as vt runs them, beside gemmEx, and their
 output is compared with gemmEx's. Operands are laid out as vt lays them out (gate_up's weight
 column-major, o_proj and down accumulating into the residual stream).
 """
@@ -19,17 +19,15 @@ import ctypes
 import itertools
 import json
 import os
-import statistics
 import time
 
 import cupy
 import numpy as np
+from gemm_decode import time_calls
 
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
 
 HBM_BYTES_PER_S = 4.25e12
-REPS = 36
-REPLAYS = 7
 COPY_BYTES = 512 << 20
 WORKSPACE = 64 << 20
 
@@ -114,24 +112,7 @@ class Lt:
             ctypes.c_uint64,
             ctypes.c_int64,
         ]
-        lib.cublasLtMatmul.argtypes = [
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            _VP,
-            ctypes.POINTER(Algo),
-            _VP,
-            ctypes.c_size_t,
-            _VP,
-        ]
+        lib.cublasLtMatmul.argtypes = [_VP] * 12 + [ctypes.POINTER(Algo), _VP, ctypes.c_size_t, _VP]
         self.handle = _VP()
         self._ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.types = (CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF)
@@ -298,29 +279,6 @@ class Lt:
         )
 
 
-def time_graph(stream: cupy.cuda.Stream, call, reps: int = REPS, replays: int = REPLAYS) -> float:
-    """Median seconds per call over graph replays of reps calls (graphs, because the ctypes call
-    costs about as much host time as the small GEMMs take on the GPU)."""
-    with stream:
-        call(0)  # a configuration that does not run raises here, before any capture
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            for i in range(reps):
-                call(i)
-        finally:
-            graph = stream.end_capture()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(replays):
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / reps)
-    return statistics.median(times)
-
-
 def to_bf16(a: cupy.ndarray) -> cupy.ndarray:
     u = cupy.ascontiguousarray(a, dtype=cupy.float32).view(cupy.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
@@ -398,7 +356,7 @@ def search_shape(
         with stream:
             for algo in algos:
                 try:
-                    out.append((time_graph(stream, lt_call(algo), reps=8, replays=3), algo))
+                    out.append((time_calls(stream, lt_call(algo), reps=8, replays=3), algo))
                 except RuntimeError:
                     continue
         return out
@@ -428,10 +386,10 @@ def search_shape(
             w_col_major=col_major,
         )
     stream.synchronize()
-    t_gemmex = time_graph(stream, gemmex)
+    t_gemmex = time_calls(stream, gemmex)
     best = []
     for t_e, algo in scored[:top]:
-        t_g = time_graph(stream, lt_call(algo))
+        t_g = time_calls(stream, lt_call(algo))
         out = cupy.zeros_like(y)
         with stream:
             lt.matmul(
