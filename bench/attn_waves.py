@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import cupy
 import numpy as np
-from kernel_bench import time_op
+from kernel_bench import act, time_op
 
 from vt.kernels.cuda_ops import CudaBackend
 
@@ -22,12 +22,6 @@ def main() -> None:
     be = CudaBackend(workspace_bytes=1 << 30)
     rng = np.random.default_rng(0)
     Hq, Hk, D, bs = 32, 8, 128, 16
-
-    def act(*shape):
-        f = cupy.random.standard_normal(shape, dtype=np.float32)
-        out = (f.view(np.uint32) >> 16).astype(np.uint16)
-        cupy.cuda.Device().synchronize()
-        return out
 
     def i32(a):
         return be.from_host(np.asarray(a, np.int32), "i32")

@@ -40,6 +40,14 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def act(*shape: int, scale: float = 1.0) -> cupy.ndarray:
+    """Random bf16 bits drawn on the device (a 150k x 4096 host draw costs seconds), truncated."""
+    f = cupy.random.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+    out = (f.view(np.uint32) >> 16).astype(np.uint16)
+    cupy.cuda.Device().synchronize()
+    return out
+
+
 def time_op(be: CudaBackend, fn) -> float:
     """Median seconds of one fn() call, from graph replays of REPS_IN_GRAPH calls."""
 
@@ -76,13 +84,6 @@ def main() -> None:
     bw = copy_bandwidth()
     B, H, Hq, Hk, D, INTER, V = args.batch, 4096, 32, 8, 128, 12288, 151936
     ctx, bs = args.ctx, 16
-
-    def act(*shape, scale=1.0):
-        # drawn on the device (a 150k x 4096 host draw costs seconds); truncated to bf16 bits
-        f = cupy.random.standard_normal(shape, dtype=np.float32) * np.float32(scale)
-        out = (f.view(np.uint32) >> 16).astype(np.uint16)
-        cupy.cuda.Device().synchronize()
-        return out
 
     def i32(a):
         return be.from_host(np.asarray(a, np.int32), "i32")

@@ -23,29 +23,12 @@ import time
 
 import cupy
 import numpy as np
-from gemm_decode import time_calls
+from gemm_decode import COPY_BYTES, HBM_BYTES_PER_S, SHAPES, from_bf16, rand_bf16, time_calls
 
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
+from vt.kernels.cuda_ops import _COLUMN_MAJOR_MIN_ASPECT
 
-HBM_BYTES_PER_S = 4.25e12
-COPY_BYTES = 512 << 20
 WORKSPACE = 64 << 20
-
-# name: (n, k, accumulate into the residual, weight column-major) as vt runs them
-SHAPES = {
-    "8b": {
-        "qkv": (6144, 4096, False, False),
-        "o_proj": (4096, 4096, True, False),
-        "gate_up": (24576, 4096, False, True),
-        "down": (4096, 12288, True, False),
-    },
-    "0.6b": {
-        "qkv": (4096, 1024, False, False),
-        "o_proj": (1024, 2048, True, False),
-        "gate_up": (6144, 1024, False, True),
-        "down": (1024, 3072, True, False),
-    },
-}
 
 # cublasLt.h enums
 DESC_TRANSA, DESC_TRANSB = 3, 4
@@ -279,15 +262,6 @@ class Lt:
         )
 
 
-def to_bf16(a: cupy.ndarray) -> cupy.ndarray:
-    u = cupy.ascontiguousarray(a, dtype=cupy.float32).view(cupy.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
-
-
-def from_bf16(a: cupy.ndarray) -> cupy.ndarray:
-    return (a.astype(cupy.uint32) << 16).view(cupy.float32)
-
-
 def search_shape(
     lt: Lt,
     gemm: CublasGemm,
@@ -297,54 +271,33 @@ def search_shape(
     n: int,
     k: int,
     accumulate: bool,
-    col_major: bool,
     rows: int,
     limit: int,
     seconds: float,
     top: int,
     rng,
 ) -> dict:
+    col_major = n >= _COLUMN_MAJOR_MIN_ASPECT * k  # as gemm_layout stores it in vt
     copies = max(2, -(-COPY_BYTES // (2 * n * k)))
-    weights = [
-        to_bf16(cupy.asarray(rng.standard_normal((n, k)) / np.sqrt(k), dtype=cupy.float32))
-        for _ in range(copies)
-    ]
-    x = to_bf16(cupy.asarray(rng.standard_normal((rows, k)), dtype=cupy.float32))
+    weights = [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+    x = rand_bf16(rng, (rows, k))
     y = cupy.zeros((rows, n), dtype=cupy.uint16)
     cupy.cuda.Device().synchronize()
     prob = lt.problem(n, k, rows, col_major)
 
-    def lt_call(algo: Algo):
+    def lt_call(algo: Algo, out=y, acc: bool = accumulate):
         def call(i: int) -> None:
-            status = lt.matmul(
-                prob,
-                algo,
-                weights[i % copies].data.ptr,
-                x.data.ptr,
-                y.data.ptr,
-                accumulate,
-                ws.data.ptr,
-                stream.ptr,
-            )
+            w = weights[i % copies].data.ptr
+            status = lt.matmul(prob, algo, w, x.data.ptr, out.data.ptr, acc, ws.data.ptr, stream.ptr)
             if status != 0:
                 raise RuntimeError(f"cublasLtMatmul status {status}")
 
         return call
 
-    def gemmex(i: int) -> None:
-        gemm.linear(
-            stream.ptr,
-            x.data.ptr,
-            k,
-            weights[i % copies].data.ptr,
-            y.data.ptr,
-            rows,
-            n,
-            k,
-            False,
-            accumulate=accumulate,
-            w_col_major=col_major,
-        )
+    def gemmex(i: int, out=y, acc: bool = accumulate) -> None:
+        w = weights[i % copies].data.ptr
+        gemm.linear(stream.ptr, x.data.ptr, k, w, out.data.ptr, rows, n, k, False, accumulate=acc,
+                    w_col_major=col_major)
 
     t0 = time.perf_counter()
     configs = lt.enumerate(prob, limit, seconds)
@@ -373,18 +326,7 @@ def search_shape(
     # the reference output: gemmEx into a zeroed y (no accumulation) for the comparison below
     ref = cupy.zeros_like(y)
     with stream:
-        gemm.linear(
-            stream.ptr,
-            x.data.ptr,
-            k,
-            weights[0].data.ptr,
-            ref.data.ptr,
-            rows,
-            n,
-            k,
-            False,
-            w_col_major=col_major,
-        )
+        gemmex(0, ref, False)
     stream.synchronize()
     t_gemmex = time_calls(stream, gemmex)
     best = []
@@ -392,9 +334,7 @@ def search_shape(
         t_g = time_calls(stream, lt_call(algo))
         out = cupy.zeros_like(y)
         with stream:
-            lt.matmul(
-                prob, algo, weights[0].data.ptr, x.data.ptr, out.data.ptr, False, ws.data.ptr, stream.ptr
-            )
+            lt_call(algo, out, False)(0)
         stream.synchronize()
         err = float(cupy.linalg.norm(from_bf16(out) - from_bf16(ref)) / cupy.linalg.norm(from_bf16(ref)))
         best.append({"screen_us": t_e * 1e6, "graph_us": t_g * 1e6, "err_vs_gemmex": err, **lt.config(algo)})
@@ -432,10 +372,9 @@ def main() -> None:
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name in args.shapes.split(","):
-            n, k, acc, cm = SHAPES[args.preset][name]
-            r = search_shape(
-                lt, gemm, stream, ws, name, n, k, acc, cm, rows, args.limit, args.seconds, args.top, rng
-            )
+            n, k, acc = SHAPES[args.preset][name]
+            r = search_shape(lt, gemm, stream, ws, name, n, k, acc, rows, args.limit, args.seconds, args.top,
+                             rng)
             results.append(r)
             b = r["best"][0] if r["best"] else {}
             print(
