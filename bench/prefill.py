@@ -1,6 +1,7 @@
 """Prefill throughput of the real runner step against the bf16 matrix ceiling.
 
     python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192 --tokens 8192
+    python3 bench/prefill.py --preset 8b --prompt-lens 8192,32768 --chunks 2048,8192
 
 Each row is one step that prefills `tokens // prompt_len` whole prompts from position 0: the
 paged KV cache is written, attention is causal over each prompt, logits and a greedy sample are
@@ -9,6 +10,10 @@ decode_step.py). tokens/s and TFLOP/s are of the median step waited for on its o
 the mean step with two in flight, as the engine runs them. FLOPs count the matmuls
 (2 * params * tokens), the lm_head on the last tokens and attention's QK^T and PV over the causal
 pairs; the ceiling is a bf16 matrix rate.
+
+With --chunks, each prompt is prefilled alone as serving does with chunked prefill: steps of at
+most C tokens, each attending to the chunks before it, launched two deep; a row's time is the
+whole prompt's (the first token's latency on an idle server) and `seqs` is 1.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ CEILING_TFLOPS = 790.0  # bf16 matrix rate taken as the H200's ceiling (spec she
 class Row:
     preset: str
     prompt_len: int
+    chunk: int               # tokens per step (the whole step when not chunked)
     seqs: int
     tokens: int
     ms: float                # one step, waited for
@@ -67,7 +73,8 @@ def build_prefill_runner(preset: str, max_seqs: int, max_tokens: int, max_len: i
     """A ModelRunner sized for the largest step, with random weights instead of a checkpoint."""
     return random_runner(preset, device, -(-max_len // BLOCK) * BLOCK, max_num_seqs=max_seqs,
                          max_num_batched_tokens=max_tokens, block_size=BLOCK,
-                         num_gpu_blocks=max_tokens // BLOCK + max_seqs + 1, enforce_eager=True)
+                         num_gpu_blocks=max(max_tokens, max_len * max_seqs) // BLOCK + max_seqs + 1,
+                         enforce_eager=True)
 
 
 def prefill_batch(prompt_len: int, seqs: int, vocab: int, seed: int = 0) -> ScheduledBatch:
@@ -82,6 +89,42 @@ def prefill_batch(prompt_len: int, seqs: int, vocab: int, seed: int = 0) -> Sche
         out.append(ScheduledSeq(f"p{b}", 0, prompt_len, ids, False, blocks, True, 0,
                                 NewRequestData(ids, (), params)))
     return ScheduledBatch(tuple(out), (), seqs * prompt_len)
+
+
+def chunked_batches(prompt_len: int, chunk: int, vocab: int, seed: int = 0) -> list[ScheduledBatch]:
+    """One prompt as consecutive steps of at most `chunk` tokens; the last one samples."""
+    rng = np.random.default_rng(seed)
+    ids = tuple(int(i) for i in rng.integers(3, vocab, prompt_len))
+    blocks = tuple(range(-(-prompt_len // BLOCK)))
+    new = NewRequestData(ids, (), SamplingParams(max_tokens=1, temperature=0.0))
+    steps = []
+    for start in range(0, prompt_len, chunk):
+        n = min(chunk, prompt_len - start)
+        last = start + n == prompt_len
+        seq = ScheduledSeq("p0", start, n, ids[start:start + n], False, blocks, last, 0,
+                           new if start == 0 else None)
+        steps.append(ScheduledBatch((seq,), (), n))
+    return steps
+
+
+def time_chunked(runner: runner_mod.ModelRunner, steps: list[ScheduledBatch], repeats: int,
+                 warmup: int) -> float:
+    """Median seconds of a whole chunked prompt, its steps launched two deep."""
+    eos = lambda _rid: ()  # noqa: E731
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        handles = []
+        for batch in steps:
+            handles.append(runner.execute(batch, eos))
+            if len(handles) == 2:
+                handles.pop(0).result()
+        for h in handles:
+            h.result()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        runner.release("p0")
+    return statistics.median(times)
 
 
 def time_prefill(runner: runner_mod.ModelRunner, batch: ScheduledBatch, repeats: int,
@@ -120,18 +163,34 @@ def run(preset: str, prompt_lens: list[int], token_budget: int, device: str, rep
         for L, seqs, tokens in shapes:
             sec, deep = time_prefill(runner, prefill_batch(L, seqs, mc.vocab_size), repeats, warmup)
             tflops = prefill_flops(mc, L, seqs) / sec / 1e12
-            rows.append(Row(preset, L, seqs, tokens, sec * 1e3, deep * 1e3, tokens / sec, tflops,
+            rows.append(Row(preset, L, tokens, seqs, tokens, sec * 1e3, deep * 1e3, tokens / sec, tflops,
                             tflops / ceiling_tflops))
     finally:
         runner.shutdown()
     return rows
 
 
+def run_chunked(preset: str, prompt_lens: list[int], chunks: list[int], device: str, repeats: int,
+                warmup: int, ceiling_tflops: float) -> list[Row]:
+    rows = []
+    for chunk in chunks:
+        runner, mc = build_prefill_runner(preset, 1, chunk, max(prompt_lens), device)
+        try:
+            for L in prompt_lens:
+                sec = time_chunked(runner, chunked_batches(L, chunk, mc.vocab_size), repeats, warmup)
+                tflops = prefill_flops(mc, L, 1) / sec / 1e12
+                rows.append(Row(preset, L, chunk, 1, L, sec * 1e3, sec * 1e3, L / sec, tflops,
+                                tflops / ceiling_tflops))
+        finally:
+            runner.shutdown()
+    return rows
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| preset | prompt len | seqs | tokens | ms | ms, 2 deep | tokens/s | TFLOP/s | of ceiling |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| preset | prompt len | chunk | seqs | tokens | ms | ms, 2 deep | tokens/s | TFLOP/s "
+             "| of ceiling |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = (r.preset, r.prompt_len, r.seqs, r.tokens, f"{r.ms:.2f}", f"{r.ms_two_deep:.2f}",
+        cells = (r.preset, r.prompt_len, r.chunk, r.seqs, r.tokens, f"{r.ms:.2f}", f"{r.ms_two_deep:.2f}",
                  f"{r.tokens_per_s:,.0f}", f"{r.tflops:.3g}", f"{100 * r.of_ceiling:.3g}%")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -142,6 +201,8 @@ def main() -> None:
     ap.add_argument("--preset", default="0.6b", choices=list(PRESETS))
     ap.add_argument("--prompt-lens", default="1024,8192")
     ap.add_argument("--tokens", type=int, default=8192, help="token budget of one step")
+    ap.add_argument("--chunks", default=None,
+                    help="comma list of chunk sizes: each prompt alone, in steps of that many tokens")
     ap.add_argument("--device", default="cuda", choices=["cuda", "numpy"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -149,9 +210,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     lens = [int(x) for x in args.prompt_lens.split(",")]
-    if args.repeats < 1 or args.warmup < 0 or args.tokens < 1 or min(lens) < 1:
-        ap.error("--repeats, --tokens and prompt lengths must be positive, --warmup non-negative")
-    rows = run(args.preset, lens, args.tokens, args.device, args.repeats, args.warmup, args.ceiling_tflops)
+    chunks = [int(x) for x in args.chunks.split(",")] if args.chunks else []
+    if args.repeats < 1 or args.warmup < 0 or args.tokens < 1 or min(lens + chunks) < 1:
+        ap.error("--repeats, --tokens, chunks and prompt lengths must be positive, --warmup non-negative")
+    if chunks:
+        rows = run_chunked(args.preset, lens, chunks, args.device, args.repeats, args.warmup,
+                           args.ceiling_tflops)
+    else:
+        rows = run(args.preset, lens, args.tokens, args.device, args.repeats, args.warmup,
+                   args.ceiling_tflops)
     print(table(rows), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -25,18 +25,26 @@ import numpy as np
 
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels.base import Backend
+from vt.memory_plan import StepMemory, plan_step_memory
 from vt.model.batch import ForwardBatch
 from vt.model.loader import load_weights
 from vt.model.transformer import Transformer
-from vt.sampling import SamplingParams
-from vt.sched.output import ScheduledBatch
+from vt.sampling import MAX_LOGPROBS, SamplingParams
+from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
-MAX_LOGPROBS = 20
 MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts the piecewise graphs of other steps are captured for. Longer steps run eager:
 # their GPU time dwarfs the ~7 us a launch costs on the host.
 PIECE_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+
+
+# Device memory kept free for the captured graphs when the KV cache is sized from what is left.
+GRAPH_RESERVE = 512 << 20
+
+
+class StartupMemoryError(ValueError):
+    """The flags ask for more device memory than the card has left; the message names them."""
 
 
 def _padded(sizes: tuple[int, ...], n: int) -> int:
@@ -181,11 +189,12 @@ class ModelRunner:
         weights = load_weights(cfg.model, model_cfg)
         self.model = Transformer(model_cfg, weights, ops)
         del weights
-        self.num_blocks = self._size_kv()
-        self.kv = self.model.allocate_kv(self.num_blocks, self.block_size)
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.max_seqs = cfg.max_num_seqs
         self.max_blocks = -(-max_model_len // self.block_size)
+        # Everything a step needs is reserved before the KV cache takes the rest.
+        self.step_memory = plan_step_memory(model_cfg, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self._reserve_step_memory(self.step_memory)
         vocab = model_cfg.vocab_size
         rows = cfg.max_num_seqs
         self.last_tokens = ops.zeros((rows,), "i32")
@@ -194,7 +203,8 @@ class ModelRunner:
         self.inv_freq = ops.from_host(model_cfg.inv_freq(), "f32")
         self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks)
                       for _ in range(ops.num_slots())]
-        ops.ensure_workspace(self._workspace_bytes())
+        self.num_blocks = self._size_kv()
+        self.kv = self.model.allocate_kv(self.num_blocks, self.block_size)
         self.rows: dict[str, _Row] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         # Sampling parameters by sampler row, set at admission: a step gathers its rows' values
@@ -216,43 +226,91 @@ class ModelRunner:
         self.use_graphs = False  # capture_graphs() turns it on
         if ops.name == "cuda" and not cfg.enforce_eager:
             self.capture_graphs()
+        if ops.name == "cuda":
+            self.profile_run()
 
     # ---- setup ------------------------------------------------------------------------------
+    def _reserve_step_memory(self, plan: StepMemory) -> None:
+        """Reserve both slots' step memory, or refuse to start, naming the flags that size it."""
+        ops, cfg = self.ops, self.cfg
+        need = ops.num_slots() * plan.per_slot_bytes
+        advice = (f"the largest step these flags allow ({plan.tokens} tokens over {plan.seqs} sequences: "
+                  f"--max-num-batched-tokens {cfg.max_num_batched_tokens}, --max-num-seqs "
+                  f"{cfg.max_num_seqs}) needs {need / 2**30:.2f} GiB of step memory")
+        if ops.name == "cuda" and hasattr(ops, "mem_info"):
+            free, total = ops.mem_info()
+            allowed = free - total * (1.0 - cfg.gpu_memory_utilization)
+            if need > allowed:
+                raise StartupMemoryError(
+                    f"{advice}, but only {max(allowed, 0) / 2**30:.2f} GiB is left after the weights "
+                    f"within --gpu-memory-utilization {cfg.gpu_memory_utilization}; lower "
+                    f"--max-num-batched-tokens or --max-num-seqs")
+        try:
+            ops.ensure_workspace(plan.arena_bytes, plan.attention_partials_bytes)
+        except MemoryError as e:
+            raise StartupMemoryError(f"{advice} and the device could not provide it ({e}); lower "
+                                     f"--max-num-batched-tokens or --max-num-seqs") from None
+
     def _size_kv(self) -> int:
+        """KV blocks: explicit (--num-gpu-blocks, --kv-cache-memory) or what the device has left
+        within --gpu-memory-utilization once weights, step memory and sampler rows are taken."""
         cfg, mc = self.cfg, self.model_cfg
         per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, 2 if self.ops.name == "cuda" else 4)
         if cfg.num_gpu_blocks is not None:
             if cfg.num_gpu_blocks < 1:
                 raise ValueError("--num-gpu-blocks must be at least 1")
             return cfg.num_gpu_blocks
+        from_memory = (cfg.kv_cache_memory is None and self.ops.name == "cuda"
+                       and hasattr(self.ops, "mem_info"))
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
-        elif self.ops.name == "cuda" and hasattr(self.ops, "mem_info"):
+        elif from_memory:
             free, total = self.ops.mem_info()
-            reserve = total * (1.0 - cfg.gpu_memory_utilization) + 2 * 1024**3  # workspaces, sampler rows
-            budget = int(free - reserve)
+            graphs = 0 if cfg.enforce_eager else GRAPH_RESERVE
+            budget = int(free - total * (1.0 - cfg.gpu_memory_utilization) - graphs)
         else:
             # CPU: enough for every sequence at full length, capped at 1 GiB.
             need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4)
             budget = min(need, 1024**3)
         # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
         # nothing but a longer free list.
-        useful = 2 * cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        blocks = min(budget // per_block, useful)
+        useful = 2 * cfg.max_num_seqs * self.max_blocks
+        blocks = min(max(budget, 0) // per_block, useful)
+        if from_memory and blocks < self.max_blocks:
+            raise StartupMemoryError(
+                f"the KV cache gets {max(budget, 0) / 2**30:.2f} GiB ({blocks} blocks of {cfg.block_size} "
+                f"tokens), less than one sequence of --max-model-len {self.max_model_len} needs "
+                f"({self.max_blocks} blocks, {self.max_blocks * per_block / 2**30:.2f} GiB); raise "
+                f"--gpu-memory-utilization or lower --max-model-len, --max-num-batched-tokens or "
+                f"--max-num-seqs")
         if blocks < 1:
-            raise ValueError(f"no memory left for the KV cache ({budget} bytes, {per_block} per block)")
+            raise StartupMemoryError(f"no memory left for the KV cache ({budget} bytes, {per_block} bytes a "
+                                     f"block)")
         return int(blocks)
 
-    def _workspace_bytes(self) -> int:
-        """One step's arena, with room to spare: the residual stream and a layer's activations
-        (each layer reuses the region after the stream) counted twice over, the logits and
-        sampler temporaries, and slack for attention's split-key partials."""
-        mc = self.model_cfg
-        q, kv, h, i = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, \
-            mc.intermediate_size
-        per_token = 2 * ((q + 2 * kv) + q + kv + q + 7 * h + 3 * i)
-        logits = 4 * self.max_seqs * mc.vocab_size * 4
-        return 2 * self.max_tokens * per_token + logits + (256 << 20)
+    def profile_run(self) -> None:
+        """Run the largest step the flags allow once on each slot, at start: the most tokens over
+        the most sequences, every one sampled with MAX_LOGPROBS logprobs, all at the longest
+        context (decodes beside one long prompt chunk). A step that cannot run fails here, not
+        on a request. Its tokens write only into block 0 (nothing is cached yet) and its sampler
+        rows are released before any request is admitted."""
+        plan, mml = self.step_memory, self.max_model_len
+        blocks = (0,) * self.max_blocks
+        new = NewRequestData((1,), (), SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS))
+        lens = [1] * plan.seqs
+        extra = plan.tokens - plan.seqs
+        for i in range(plan.seqs - 1, -1, -1):  # the rest as prompt chunks of at most mml tokens
+            more = min(extra, mml - 1)
+            lens[i] += more
+            extra -= more
+        seqs = tuple(ScheduledSeq(f"profile-{i}", mml - n, n, (1,) * n, False, blocks, True, 0, new)
+                     for i, n in enumerate(lens))
+        batch = ScheduledBatch(seqs, (), sum(lens))
+        for _ in range(self.ops.num_slots()):
+            self.execute(batch, lambda _rid: ()).result()
+        for i in range(plan.seqs):
+            self.release(f"profile-{i}")
+        self.routes.clear()
 
     # ---- rows ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:

@@ -12,11 +12,12 @@ tie-free prompts; the CPU suite checks it bit for bit, seeded sampling included.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.gpu.checkpoints import qwen3_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -26,25 +27,9 @@ MARGIN = 0.2
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    import transformers
-
-    from vt.model.make_model import make_model
-
-    tok = make_model(tmp_path_factory.mktemp("tok"), preset="tiny")
-    cfg = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
-        bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("qwen3-0.6b")
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok / name, path / name)
-    return path
+    return qwen3_checkpoint(tmp_path_factory.mktemp("qwen3-0.6b"), hidden_size=1024, intermediate_size=3072,
+                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                            max_position_embeddings=4096, initializer_range=0.02)
 
 
 @pytest.fixture(scope="module")

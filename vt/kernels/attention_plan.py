@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+from vt.kernels.arena import ALIGN, aligned
+
 TC_HEAD_DIMS = (64, 128)  # head dims with a tensor-core kernel (attention_tc.cu)
 TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
+MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
 
 
 def tc_smem(d: int, stages: int) -> int:
@@ -39,11 +42,12 @@ def attention_kernel(group: int, max_query_len: int, d: int,
     return f"attention_r{r}", False, -(-rows // (4 * r)), smem
 
 
-def key_splits(blocks: int, resident: int, max_seq_len: int) -> int:
+def key_splits(blocks: int, resident: int, max_seq_len: int, max_splits: int = MAX_KEY_SPLITS) -> int:
     """Key splits per (row tile, kv head, sequence): blocks of equal work run in waves of
     `resident`, so a grid of 1.3 waves costs 2. Take the fewest splits whose grid fills its last
-    wave to 90%, else the best filling one, keeping at least 256 keys per split."""
-    most = max(1, min(64, -(-max_seq_len // 256)))
+    wave to 90%, else the best filling one, keeping at least 256 keys per split and at most
+    max_splits (what the partials' scratch holds for the launch)."""
+    most = max(1, min(MAX_KEY_SPLITS, max_splits, -(-max_seq_len // 256)))
     if blocks >= 8 * resident:
         return 1
     best, best_fill = 1, 0.0
@@ -55,3 +59,18 @@ def key_splits(blocks: int, resident: int, max_seq_len: int) -> int:
         if fill > best_fill + 1e-9:
             best, best_fill = s, fill
     return best
+
+
+def attention_partial_bytes(splits: int, tokens: int, num_heads: int, head_dim: int) -> int:
+    """Split-key partials of one attention launch: o f32[splits, T, Hq, D] and (m, l)
+    f32[splits, T, Hq, 2], each aligned."""
+    rows = splits * tokens * num_heads
+    return aligned(rows * head_dim * 4) + aligned(rows * 2 * 4)
+
+
+def max_splits_within(budget: int, tokens: int, num_heads: int, head_dim: int) -> int:
+    """The most key splits whose partials fit budget bytes (1 needs none)."""
+    per_split = tokens * num_heads * (head_dim + 2) * 4
+    if per_split <= 0:
+        return MAX_KEY_SPLITS
+    return max(1, min(MAX_KEY_SPLITS, (budget - 2 * ALIGN) // per_split))

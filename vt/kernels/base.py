@@ -7,8 +7,8 @@ Conventions shared by both implementations:
   NB = KV blocks, BS = block size, Hq / Hk = query / kv heads, D = head dim,
   R = sampler rows (one per running request, a persistent slot owned by the runner).
 - Ops that return arrays may allocate on numpy. On CUDA they take their outputs from the
-  workspace arena of the current slot (see `workspace`), so a step never allocates from the
-  pool and a captured graph sees the same pointers on every replay.
+  workspace arena of the current slot (see `ensure_workspace`), so a step never allocates from
+  the pool and a captured graph sees the same pointers on every replay; vt.memory_plan sizes it.
 - Ops documented "in place" return None and write into an argument.
 - Scalars are Python numbers at this interface; cuda_ops converts them to np.int32 / np.float32.
 
@@ -59,8 +59,10 @@ class Backend(Protocol):
     def scratch(self, shape: tuple[int, ...], dtype: str) -> Array:
         """A buffer from the current slot's arena, valid until the arena is rewound."""
 
-    def ensure_workspace(self, nbytes: int) -> None:
-        """Grow each slot's arena to at least nbytes (setup time only; numpy: no-op)."""
+    def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
+        """Size each slot's arena to nbytes and (CUDA) its split-key attention partials to
+        partials_bytes (setup only, before any graph is captured). numpy keeps the arena as a
+        ledger at CUDA sizes and fails a step that would outgrow it (vt.memory_plan)."""
 
     def arena_mark(self) -> int | None:
         """The open slot's arena offset, or None where there is no arena (numpy, no open slot)."""
@@ -196,6 +198,12 @@ class Backend(Protocol):
         """Capture fn() (ops on slot i's stream and arena, static buffers only) into a replayable
         object with .replay() that re-runs the same work on slot i's stream; numpy returns an
         object whose replay() calls fn()."""
+
+
+def prologue_fused(head_dim: int, q_norm: Array | None, k_norm: Array | None) -> bool:
+    """Whether CUDA's qk_norm_rope_write_kv runs as one kernel (in place) or as its three ops,
+    whose two head norms then take their outputs from the arena."""
+    return head_dim % 16 == 0 and head_dim <= 256 and (q_norm is None) == (k_norm is None)
 
 
 def norm_rope_write_kv_unfused(ops: Backend, q: Array, k: Array, v: Array, q_norm: Array | None,

@@ -22,14 +22,22 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from vt.kernels.attention_plan import TC_HEAD_DIMS, TC_STAGES, attention_kernel, key_splits
-from vt.kernels.base import norm_rope_write_kv_unfused
+from vt.kernels.arena import ArenaLedger, aligned
+from vt.kernels.attention_plan import (
+    MAX_KEY_SPLITS,
+    TC_HEAD_DIMS,
+    TC_STAGES,
+    attention_kernel,
+    attention_partial_bytes,
+    key_splits,
+    max_splits_within,
+)
+from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
-_ALIGN = 256
 _KERNEL_FILES = ("elementwise.cu", "attention.cu", "attention_tc.cu", "sampling.cu")
 _ATTN_SMEM_MAX = 200 * 1024
 _GREEDY_EPS = 1e-5
@@ -52,33 +60,34 @@ def _bf16_bits(host: np.ndarray) -> np.ndarray:
 
 
 class _Arena:
-    """Bump allocator over one device buffer; 256-byte aligned; reset() frees everything at once."""
+    """Bump allocator over one device buffer (vt.kernels.arena's ledger); reset() frees everything."""
 
     def __init__(self, nbytes: int) -> None:
         self.buf = cupy.empty((nbytes,), dtype=np.uint8)
-        self.nbytes = nbytes
-        self.offset = 0
-        self.high = 0  # the furthest offset handed out since the last slot entry
+        self.ledger = ArenaLedger(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
 
     def take(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        start = -(-self.offset // _ALIGN) * _ALIGN
-        if start + size > self.nbytes:
-            raise MemoryError(
-                f"workspace arena exhausted: {size} bytes asked at offset {start} of {self.nbytes}; "
-                f"raise CudaBackend(workspace_bytes=...)"
-            )
-        self.offset = start + size
-        self.high = max(self.high, self.offset)
+        start = self.ledger.take(size)
         return cupy.ndarray(shape, dtype=dtype, memptr=self.buf.data + start)
 
 
 class _Slot:
-    """One in-flight step's stream, arena, events and cuBLAS handle."""
+    """One in-flight step's stream, arena, kernel scratch, events and cuBLAS handle.
 
-    def __init__(self, workspace_bytes: int, gemm: CublasGemm) -> None:
+    Kernel scratch holds what one op keeps between its own launches (split-key attention
+    partials, sampler partials): ops of a slot run in stream order, so every op reuses it."""
+
+    def __init__(self, workspace_bytes: int, gemm: CublasGemm, partials_bytes: int,
+                 sampler_bytes: int) -> None:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.arena = _Arena(workspace_bytes)
+        self.partials = cupy.empty((partials_bytes,), dtype=np.uint8)
+        self.sampler = cupy.empty((sampler_bytes,), dtype=np.uint8)
         self.done_event = cupy.cuda.Event(disable_timing=True)
         self.fence_event = cupy.cuda.Event(disable_timing=True)
         self.gemm = gemm
@@ -108,9 +117,11 @@ def _token_stride(x: cupy.ndarray, name: str) -> int:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20) -> None:
-        if workspace_bytes <= 0:
-            raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+    def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
+                 partials_bytes: int = 64 << 20) -> None:
+        if workspace_bytes <= 0 or partials_bytes < 0:
+            raise ValueError(f"workspace_bytes must be positive and partials_bytes >= 0, got "
+                             f"{workspace_bytes}, {partials_bytes}")
         self._tls = threading.local()  # per-thread active arena (cupy's current stream is per thread too)
         self._kernels = self._compile()
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -122,7 +133,10 @@ class CudaBackend:
         self._dependent = DependentLauncher.open()
         lib = load_libcublas()
         new_gemm = lambda: CublasGemm(lib, cupy.empty((cublas_workspace_bytes,), dtype=np.uint8))
-        self._slots = [_Slot(workspace_bytes, new_gemm()) for _ in range(_NUM_SLOTS)]
+        # The split sampler keeps at most one (score, id) partial per SM.
+        self._sampler_bytes = aligned(self._num_sms * 4) * 2
+        self._slots = [_Slot(workspace_bytes, new_gemm(), partials_bytes, self._sampler_bytes)
+                       for _ in range(_NUM_SLOTS)]
         self._loose_gemm = new_gemm()  # for ops outside slots, on whatever stream is current
 
     # ---- compilation ----------------------------------------------------------------------
@@ -202,8 +216,12 @@ class CudaBackend:
         return getattr(fn, "kernel", None) or getattr(fn, "function", fn)
 
     # ---- memory -------------------------------------------------------------------------
+    def _slot_ctx(self) -> _Slot | None:
+        return getattr(self._tls, "slot", None)
+
     def _arena(self) -> _Arena | None:
-        return getattr(self._tls, "arena", None)
+        s = self._slot_ctx()
+        return None if s is None else s.arena
 
     def _out(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         arena = self._arena()
@@ -243,11 +261,16 @@ class CudaBackend:
             return (host.astype(np.uint32) << 16).view(np.float32)
         return host
 
-    def ensure_workspace(self, nbytes: int) -> None:
-        """Grow every slot's arena to at least nbytes (setup only: no step may be in flight)."""
+    def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
+        """Size every slot's arena to nbytes and, when given, its attention partials to
+        partials_bytes (setup only: no step may be in flight, no graph captured yet)."""
         for s in self._slots:
-            if s.arena.nbytes < nbytes:
+            if s.arena.nbytes != nbytes:
+                s.arena = None  # freed before the new one is taken
                 s.arena = _Arena(int(nbytes))
+            if partials_bytes is not None and s.partials.nbytes != partials_bytes:
+                s.partials = None
+                s.partials = cupy.empty((int(partials_bytes),), dtype=np.uint8)
 
     def scratch(self, shape: tuple[int, ...], dtype: str) -> cupy.ndarray:
         """A buffer that lives until the current step's arena is reset (pool-backed outside slots)."""
@@ -410,11 +433,8 @@ class CudaBackend:
         return y
 
     def _current_gemm(self) -> CublasGemm:
-        arena = self._arena()
-        for s in self._slots:
-            if s.arena is arena:
-                return s.gemm
-        return self._loose_gemm
+        s = self._slot_ctx()
+        return self._loose_gemm if s is None else s.gemm
 
     def rope(self, q: cupy.ndarray, k: cupy.ndarray, positions: cupy.ndarray, inv_freq: cupy.ndarray) -> None:
         qs, ks = _token_stride(q, "rope q"), _token_stride(k, "rope k")
@@ -478,7 +498,7 @@ class CudaBackend:
         if bias is not None and (bias.shape != ((hq + 2 * hk) * d,) or bias.dtype != np.uint16):
             raise ValueError(f"qk_norm_rope_write_kv: bias {bias.dtype}{bias.shape} is not act[(Hq+2Hk)D]")
         width = 0 if rms_of is None else rms_of.shape[1]
-        if d % 16 or d > 256 or (q_norm is None) != (k_norm is None):
+        if not prologue_fused(d, q_norm, k_norm):
             # Shapes the one-warp-per-head kernel does not cover take the three-op path.
             if (rms_of is not None or bias is not None) and t:
                 for x, lo in ((q, 0), (k, hq * d), (v, (hq + hk) * d)):
@@ -547,16 +567,24 @@ class CudaBackend:
         if 0 < decode_seqs < b and max_query_len > 1:
             # One launch would put the decodes on prefill tiles too (4 live rows of 64 at GQA
             # group 4), so they get the decode tiles and the rest a launch of its own.
+            # The decodes' rows are the step's first d_ tokens: their launch sizes its split
+            # partials by those rows alone.
             d_ = decode_seqs
-            self.attention(q, k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_], block_tables[:d_],
-                           scale, 1, max_seq_len, out, follows_kv_write=follows_kv_write)
+            self.attention(q[:d_], k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_],
+                           block_tables[:d_], scale, 1, max_seq_len, out[:d_],
+                           follows_kv_write=follows_kv_write)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
                                   scale, max_query_len, max_seq_len, out)
         kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d, k_cache.size)
-        splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len)
+        part_buf = None if (s := self._slot_ctx()) is None else s.partials
+        cap = max_splits_within(part_buf.nbytes, t, hq, d) if part_buf is not None else MAX_KEY_SPLITS
+        splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len, cap)
         if splits > 1:
-            part_o = self._out((splits, t, hq, d), np.float32)
-            part_ml = self._out((splits, t, hq, 2), np.float32)
+            if part_buf is None:  # outside a step (tests, setup): from the pool
+                part_buf = cupy.empty((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
+            o_bytes = aligned(splits * t * hq * d * 4)
+            part_o = cupy.ndarray((splits, t, hq, d), np.float32, memptr=part_buf.data)
+            part_ml = cupy.ndarray((splits, t, hq, 2), np.float32, memptr=part_buf.data + o_bytes)
         else:
             part_o = part_ml = 0
         scale_log2 = _f32(scale * _LOG2E)
@@ -677,8 +705,10 @@ class CudaBackend:
             splits = max(1, min(self._num_sms // b, v // _SAMPLE_SPLIT_MIN, 32))
             part_v = part_i = 0
             if splits > 1:
-                part_v = self._out((b * splits,), np.float32)
-                part_i = self._out((b * splits,), np.int32)
+                s = self._slot_ctx()
+                scratch = s.sampler if s is not None else cupy.empty((self._sampler_bytes,), np.uint8)
+                part_v = cupy.ndarray((b * splits,), np.float32, memptr=scratch.data)
+                part_i = cupy.ndarray((b * splits,), np.int32, memptr=scratch.data + self._sampler_bytes // 2)
             self._launch(
                 "sample_k",
                 (splits, b),
@@ -722,37 +752,38 @@ class CudaBackend:
     @contextlib.contextmanager
     def slot(self, i: int) -> Iterator[None]:
         s = self._slot(i)
-        s.arena.offset = s.arena.high = 0
-        previous = self._arena()
-        self._tls.arena = s.arena
+        s.arena.ledger.reset()
+        previous = self._slot_ctx()
+        self._tls.slot = s
         try:
             with s.stream:
                 yield
         finally:
-            self._tls.arena = previous
+            self._tls.slot = previous
 
-    def _open_arena(self, op: str, mark: int | None = None, top: str = "offset") -> _Arena:
-        """The active slot's arena, with mark checked against 0..arena.<top>."""
+    def _open_ledger(self, op: str) -> ArenaLedger:
+        """The active slot's arena ledger."""
         arena = self._arena()
         if arena is None:
             raise RuntimeError(f"{op}() needs an open slot context")
-        if mark is not None and not 0 <= mark <= getattr(arena, top):
-            raise ValueError(f"arena mark {mark} is not within 0..{getattr(arena, top)}")
-        return arena
+        return arena.ledger
 
     def arena_mark(self) -> int:
         """Current offset of the active slot's arena (to keep outputs across arena_reset)."""
-        return self._open_arena("arena_mark").offset
+        return self._open_ledger("arena_mark").offset
 
     def arena_reset(self, mark: int) -> None:
         """Free everything the active slot's arena handed out after `mark`."""
-        self._open_arena("arena_reset", mark).offset = mark
+        ledger = self._open_ledger("arena_reset")
+        ledger.check_mark(mark, ledger.offset)
+        ledger.offset = mark
 
     def arena_reserve(self, mark: int) -> None:
         """Hand out nothing below mark from now on (a replayed graph's buffers live there)."""
-        arena = self._open_arena("arena_reserve", mark, "nbytes")
-        arena.offset = max(arena.offset, mark)
-        arena.high = max(arena.high, arena.offset)
+        ledger = self._open_ledger("arena_reserve")
+        ledger.check_mark(mark, ledger.nbytes)
+        ledger.offset = max(ledger.offset, mark)
+        ledger.high = max(ledger.high, ledger.offset)
 
     def after(self, i: int, j: int) -> None:
         si, sj = self._slot(i), self._slot(j)
@@ -802,5 +833,5 @@ class CudaBackend:
                 fn(cut)
             finally:
                 graphs.append(_Graph(s.stream.end_capture(), s.stream))
-            high = s.arena.high
+            high = s.arena.ledger.high
         return graphs, high

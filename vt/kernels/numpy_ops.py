@@ -1,14 +1,21 @@
-"""The float32 numpy backend: the CPU runtime and the reference every CUDA op is checked against."""
+"""The float32 numpy backend: the CPU runtime and the reference every CUDA op is checked against.
+
+Inside a slot context every op output is also entered, at its CUDA size, in that slot's arena
+ledger (vt.kernels.arena) exactly where the CUDA backend would take it from its arena, so a step
+that needs more workspace than the memory plan reserved fails here as it would on the GPU.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from vt.kernels.base import norm_rope_write_kv_unfused
+from vt.kernels.arena import ITEM_BYTES, ArenaLedger
+from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
@@ -40,6 +47,19 @@ class _Replay:
 class NumpyBackend:
     name = "numpy"
 
+    def __init__(self) -> None:
+        self._ledgers = [ArenaLedger(None) for _ in range(_NUM_SLOTS)]
+        self._tls = threading.local()  # the ledger of the slot open on this thread
+
+    def _ledger(self) -> ArenaLedger | None:
+        return getattr(self._tls, "ledger", None)
+
+    def _took(self, shape: tuple[int, ...], dtype: str) -> None:
+        """Enter an op output of CUDA dtype `dtype` in the open slot's ledger."""
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.take(int(np.prod(shape, dtype=np.int64)) * ITEM_BYTES[dtype])
+
     # ---- memory -------------------------------------------------------------------------
     def upload(self, host: np.ndarray) -> np.ndarray:
         # A real copy: checkpoint arrays are read-only memory maps of the file.
@@ -67,17 +87,23 @@ class NumpyBackend:
 
     # ---- model ops ----------------------------------------------------------------------
     def embed(self, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+        self._took((ids.shape[0], table.shape[1]), "act")
         return table[ids]
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                  residual: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        self._took(x.shape, "act")
+        if residual is not None:
+            self._took(x.shape, "act")
         r = x if residual is None else x + residual
         return (r / _rms(r, eps)) * weight, r
 
     def head_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        self._took(x.shape, "act")
         return (x / _rms(x, eps)) * weight
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        self._took((x.shape[0], w.shape[0]), "act")
         y = x @ w.T
         return y if bias is None else y + bias
 
@@ -125,8 +151,20 @@ class NumpyBackend:
             parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3
             for x, b in zip((q, k, v), parts, strict=True):
                 x[...] = x / rms if b is None else x / rms + b.reshape(x.shape[1:])
-        norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
-                                   v_cache, slot_mapping)
+        # CUDA's fused kernel works in place; only its three-op path allocates head-norm outputs.
+        with self._uncounted(prologue_fused(q.shape[2], q_norm, k_norm)):
+            norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
+                                       v_cache, slot_mapping)
+
+    @contextlib.contextmanager
+    def _uncounted(self, skip: bool = True) -> Iterator[None]:
+        ledger = self._ledger()
+        if skip:
+            self._tls.ledger = None
+        try:
+            yield
+        finally:
+            self._tls.ledger = ledger
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -139,6 +177,7 @@ class NumpyBackend:
         _, bs, hk, _ = k_cache.shape
         group = hq // hk
         if out is None:
+            self._took((t, hq, d), "act")
             out = np.zeros((t, hq, d), dtype=np.float32)
         elif out.shape != (t, hq, d):
             raise ValueError(f"attention: out must be [{t}, {hq}, {d}], got {list(out.shape)}")
@@ -165,6 +204,7 @@ class NumpyBackend:
 
     def silu_mul(self, x: np.ndarray, rms_of: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
         half = x.shape[-1] // 2
+        self._took((x.shape[0], half), "act")
         gate, up = x[:, :half], x[:, half:]
         if rms_of is not None:
             rms = _rms(rms_of, eps)
@@ -172,9 +212,11 @@ class NumpyBackend:
         return gate / (np.float32(1) + np.exp(-gate)) * up
 
     def gather_rows(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        self._took((idx.shape[0], x.shape[1]), "act")
         return x[idx]
 
     def logits(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        self._took((x.shape[0], w.shape[0]), "f32")
         return (x @ w.T).astype(np.float32, copy=False)
 
     # ---- step plumbing --------------------------------------------------------------------
@@ -186,6 +228,10 @@ class NumpyBackend:
     def log_softmax_topk(self, logits: np.ndarray, ids: np.ndarray, k: int) -> tuple[Any, Any, Any]:
         from vt.kernels import numpy_sampling
 
+        b, v = logits.shape
+        kk = min(max(k, 0), v)
+        for shape, dtype in (((b,), "f32"), ((b, kk), "i32"), ((b, kk), "f32")):
+            self._took(shape, dtype)
         return numpy_sampling.log_softmax_topk(logits, ids, k)
 
     def penalize(self, logits: np.ndarray, rows: np.ndarray, out_counts: np.ndarray,
@@ -204,6 +250,7 @@ class NumpyBackend:
                min_p: np.ndarray, seeds: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         from vt.kernels import numpy_sampling
 
+        self._took((logits.shape[0],), "i32")
         return numpy_sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
     def record_sampled(self, last_tokens: np.ndarray, out_counts: np.ndarray, rows: np.ndarray,
@@ -213,18 +260,29 @@ class NumpyBackend:
         numpy_sampling.record_sampled(last_tokens, out_counts, rows, ids)
 
     # ---- async plumbing: numpy runs ops eagerly, so streams and events are trivial ----------
-    def ensure_workspace(self, nbytes: int) -> None:
-        """No arena on numpy: every op allocates."""
+    def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
+        """Every op allocates on numpy; the slots' ledgers hold it to nbytes at CUDA sizes."""
+        self._ledgers = [ArenaLedger(int(nbytes)) for _ in range(_NUM_SLOTS)]
 
     def scratch(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        self._took(tuple(shape), dtype)
         return np.empty(shape, dtype=_np_dtype(dtype))
 
     def arena_mark(self) -> int | None:
-        """None: there is no arena to rewind, so callers skip the keep-and-rewind dance."""
-        return None
+        """The open slot's ledger offset; None outside a slot (nothing to rewind)."""
+        ledger = self._ledger()
+        return None if ledger is None else ledger.offset
 
     def arena_reset(self, mark: int | None) -> None:
-        return None
+        ledger = self._ledger()
+        if ledger is not None and mark is not None:
+            ledger.check_mark(mark, ledger.offset)
+            ledger.offset = mark
+
+    def arena_high(self, i: int) -> int:
+        """The furthest offset slot i's ledger reached in its last step (tests of the plan)."""
+        self._check_slot(i)
+        return self._ledgers[i].high
 
     def num_slots(self) -> int:
         return _NUM_SLOTS
@@ -233,9 +291,19 @@ class NumpyBackend:
         if not 0 <= i < _NUM_SLOTS:
             raise ValueError(f"slot {i} out of range 0..{_NUM_SLOTS - 1}")
 
-    def slot(self, i: int) -> Any:
-        self._check_slot(i)
-        return nullcontext()
+    def slot(self, i: int) -> contextlib.AbstractContextManager[None]:
+        self._check_slot(i)  # at the call, as CUDA does, not only on entry
+        return self._open_slot(self._ledgers[i])
+
+    @contextlib.contextmanager
+    def _open_slot(self, ledger: ArenaLedger) -> Iterator[None]:
+        ledger.reset()
+        previous = self._ledger()
+        self._tls.ledger = ledger
+        try:
+            yield
+        finally:
+            self._tls.ledger = previous
 
     def after(self, i: int, j: int) -> None:
         self._check_slot(i)
