@@ -75,5 +75,23 @@ for s in $steps; do
         timeout 200 python3 bench/prefill.py --preset $p --json "$OUT/prefill_$p.json" 2>&1 | tail -8 \
           | tee -a "$OUT/prefill.log"
       done ;;
+    chunked)  # one prompt alone, chunked as served: 1k, 8k and 32k prompts at two chunk sizes
+      for p in ${PRESETS:-0.6b 8b}; do
+        timeout 300 python3 bench/prefill.py --preset $p --prompt-lens 1024,8192,32768 --chunks 2048,8192 \
+          --repeats 3 --warmup 1 --json "$OUT/chunked_$p.json" 2>&1 | tail -9 | tee -a "$OUT/chunked.log"
+      done ;;
+    envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
+      | tee "$OUT/envelope.log" ;;
+    matrix06)  # the serving matrix and the peer's target rows, 0.6B
+      test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
+      timeout 590 python3 bench/serving_matrix.py --model /tmp/q06 --label 0.6b --rows "${ROWS:-all}" \
+        ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-480}" --out "$OUT/m06" \
+        2>&1 | grep -v "^Loading" | tee "$OUT/matrix06.log" ;;
+    matrix8)  # the same for 8B, and one 40,900-token prompt alone and beside 64 decoding requests
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label 8b --rows "${ROWS:-all}" \
+        ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-420}" \
+        --server-args="--max-num-seqs 256 --max-model-len 40960" --long "${LONG:-40900}" --out "$OUT/m8" \
+        2>&1 | grep -v "^Loading" | tee "$OUT/matrix8.log" ;;
   esac
 done

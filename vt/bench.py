@@ -147,7 +147,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prompts", type=_positive_int, default=100)
     d.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens per request")
     d.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens per request")
-    d.add_argument("--range-ratio", type=_ratio, default=0.0,
+    d.add_argument("--random-range-ratio", "--range-ratio", dest="range_ratio", type=_ratio, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: exact)")
     d.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, priorities and arrivals")
     d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
