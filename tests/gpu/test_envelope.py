@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 LENGTHS = (1, 127, 128, 129, 511, 1024, 2048, 8192, 32768)
 NEW_TOKENS = 32
-TIE = 0.05  # nats between the top two logprobs
+TIE = 0.25  # nats between the top two logprobs: bf16 rounding of other GEMM shapes moves logits by ~0.1
 
 
 @pytest.fixture(scope="module")
