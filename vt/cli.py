@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections beyond which new ones get 503 (default 1024; VT_MAX_CONNECTIONS)")
     s.add_argument("--max-body-bytes", type=int, default=None,
                    help="request body limit, 413 beyond (default 16 MiB; VT_MAX_BODY_BYTES)")
+    s.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="accepted as vLLM's; GET /load is always served")
     s.add_argument("--log-level", default="warning")
 
     g = sub.add_parser("generate", help="generate text for one prompt")

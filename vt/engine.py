@@ -176,7 +176,8 @@ class AsyncEngine:
         ))
         self.depth = 2 if config.async_scheduling else 1
         self._states: dict[str, _State] = {}
-        self._stats = EngineStats()
+        self._stats = EngineStats(block_size=config.block_size, num_gpu_blocks=self.runner.num_blocks,
+                                  enable_prefix_caching=config.enable_prefix_caching)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
@@ -329,8 +330,11 @@ class AsyncEngine:
                 batch = self.scheduler.schedule()
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
-                    self._stats.prefix_cache_hit_tokens_total += sum(
-                        s.start_pos for s in batch.seqs if s.new is not None)
+                    for s in batch.seqs:
+                        if s.new is not None:
+                            self._stats.prefix_cache_hit_tokens_total += s.start_pos
+                            self._stats.prefix_cache_queries_total += (
+                                len(s.new.prompt_token_ids) + len(s.new.output_token_ids))
                     now = time.monotonic()
                     if not inflight and self._last_done is not None and self._busy_after_done:
                         # The device sat idle from the last completion to this launch with work
