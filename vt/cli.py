@@ -1,4 +1,4 @@
-"""Command line: `vt serve | generate | make-model | bench`; flags mirror vLLM's names."""
+"""Command line: `vt serve | generate | make-model | bench | replicas`; flags mirror vLLM's names."""
 
 from __future__ import annotations
 
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="serving benchmark (see `vt bench --help`)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    r = sub.add_parser("replicas", help="N replicas behind the vLLM router (see `vt replicas --help`)",
+                       add_help=False)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -130,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from vt.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["replicas"]:  # parses its own flags too; those after `--` go to `vt serve`
+        from vt.replicas import main as replicas_main
+
+        return replicas_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
