@@ -17,7 +17,7 @@ ENV PATH=/opt/vt/bin:$PATH
 WORKDIR /src
 # Dependencies first, against a placeholder package, so code changes do not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir vt && touch vt/__init__.py && pip install '.[cuda12]'
+RUN mkdir vt && touch vt/__init__.py && pip install '.[cuda12,kv-events]'
 COPY vt ./vt
 RUN pip install --no-deps --force-reinstall . && rm -rf build *.egg-info
 

@@ -13,7 +13,6 @@ import os
 import random
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from vt.bench_stats import SLO_KEYS, BenchSummary, RequestRecord, gpu_stats, summarize
+from vt.subprocesses import terminate
 
 READY = re.compile(r"vt: serving on (http://\S+)")
 STOP_TIMEOUT_S = 30.0
@@ -751,14 +751,7 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM; kill if it has not exited within STOP_TIMEOUT_S."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return terminate(self.proc, STOP_TIMEOUT_S)
 
     def __enter__(self) -> ServerProcess:
         return self

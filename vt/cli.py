@@ -1,4 +1,4 @@
-"""Command line: `vt serve | generate | make-model | bench`; flags mirror vLLM's names."""
+"""Command line: `vt serve | generate | make-model | bench | replicas`; flags mirror vLLM's names."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vt.config import EngineConfig
+
+if TYPE_CHECKING:
+    from vt.kv_publisher import KVEventsConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +62,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
+        kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
     )
+
+
+def _kv_events_config(text: str | None) -> KVEventsConfig | None:
+    if text is None:
+        return None
+    from vt.kv_publisher import parse_kv_events_config
+
+    return parse_kv_events_config(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections beyond which new ones get 503 (default 1024; VT_MAX_CONNECTIONS)")
     s.add_argument("--max-body-bytes", type=int, default=None,
                    help="request body limit, 413 beyond (default 16 MiB; VT_MAX_BODY_BYTES)")
+    s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+                        "(needs the kv-events extra)")
+    s.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="accepted as vLLM's; GET /load is always served")
     s.add_argument("--log-level", default="warning")
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -102,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="serving benchmark (see `vt bench --help`)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    r = sub.add_parser("replicas", help="N replicas behind the vLLM router (see `vt replicas --help`)",
+                       add_help=False)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -111,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from vt.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["replicas"]:  # parses its own flags too; those after `--` go to `vt serve`
+        from vt.replicas import main as replicas_main
+
+        return replicas_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -6,9 +6,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vt.kv_publisher import KVEventsConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class EngineConfig:
     enforce_eager: bool = False
     max_waiting: int = 1024               # bounded waiting queue; beyond it requests get 503
     seed: int = 0
+    kv_events_config: KVEventsConfig | None = None  # --kv-events-config: publish KV cache events
 
 
 # ---------------------------------------------------------------------------------------------

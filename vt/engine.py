@@ -23,6 +23,7 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels import get_backend
 from vt.runner import ModelRunner, StepHandle, StepOutput
 from vt.sampling import SamplingParams
+from vt.sched.kv_events import AllBlocksCleared, KVEventLog
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
@@ -176,7 +177,8 @@ class AsyncEngine:
         ))
         self.depth = 2 if config.async_scheduling else 1
         self._states: dict[str, _State] = {}
-        self._stats = EngineStats()
+        self._stats = EngineStats(block_size=config.block_size, num_gpu_blocks=self.runner.num_blocks,
+                                  enable_prefix_caching=config.enable_prefix_caching)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
@@ -192,6 +194,14 @@ class AsyncEngine:
         self._posted: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.kv_publisher = None
+        if config.kv_events_config is not None and config.kv_events_config.enabled:
+            from vt.kv_publisher import ZmqEventPublisher
+
+            self.kv_publisher = ZmqEventPublisher(config.kv_events_config)
+            self.scheduler.pool.events = KVEventLog(config.block_size)
+            # A restarted replica's subscribers must forget what its previous process cached.
+            self.kv_publisher.publish([AllBlocksCleared()], self.scheduler.pool.cached_blocks)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -221,6 +231,9 @@ class AsyncEngine:
         self._inflight.clear()
         self._step_rids.clear()
         self.runner.shutdown()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.shutdown()
 
     @property
     def healthy(self) -> bool:
@@ -324,13 +337,18 @@ class AsyncEngine:
     async def _loop(self) -> None:
         inflight = self._inflight
         while True:
+            if self.kv_publisher is not None:
+                self._publish_kv_events()
             launched = False
             if len(inflight) < self.depth and self._dead is None:
                 batch = self.scheduler.schedule()
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
-                    self._stats.prefix_cache_hit_tokens_total += sum(
-                        s.start_pos for s in batch.seqs if s.new is not None)
+                    for s in batch.seqs:
+                        if s.new is not None:
+                            self._stats.prefix_cache_hit_tokens_total += s.start_pos
+                            self._stats.prefix_cache_queries_total += (
+                                len(s.new.prompt_token_ids) + len(s.new.output_token_ids))
                     now = time.monotonic()
                     if not inflight and self._last_done is not None and self._busy_after_done:
                         # The device sat idle from the last completion to this launch with work
@@ -387,6 +405,12 @@ class AsyncEngine:
                         pass
             else:
                 await asyncio.sleep(0)  # let HTTP callbacks run between launches
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's new events to the publisher (it queues; it never blocks)."""
+        pool = self.scheduler.pool
+        if pool.events:
+            self.kv_publisher.publish(pool.events.take(), pool.cached_blocks)
 
     def _step_failed(self, rids: list[str], exc: BaseException) -> None:
         self._consecutive_failures += 1

@@ -39,11 +39,12 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     print(f"vt: serving on http://{shown}:{server.port} (model {served_model_name})", flush=True)
     await stop.wait()
     print("vt: shutting down", flush=True)
-    # Stop accepting, let in-flight requests finish within the timeout, then abort the rest.
-    # The server waits a little longer than the engine so the aborted streams' last chunks go out.
-    closing = asyncio.create_task(server.close(shutdown_timeout + 1.0))
+    # Drain: /health turns 503 and new requests get 503 at once while the listener stays open, so
+    # balancers and routers move traffic elsewhere; in-flight requests finish within the timeout
+    # and the rest are aborted. Then the server closes, with a second for the last chunks.
+    app.begin_drain()
     await engine.stop(shutdown_timeout)
-    await closing
+    await server.close(1.0)
     return 0
 
 

@@ -46,6 +46,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0       # tokens of admitted requests looked up in the cache
     request_success_total: Counter = field(default_factory=Counter)  # by finish reason
     steps_total: int = 0
     step_time_seconds_total: float = 0.0      # launch-to-completion time of steps
@@ -53,3 +54,7 @@ class EngineStats:
     time_to_first_token_seconds: Histogram = field(default_factory=Histogram)
     inter_token_latency_seconds: Histogram = field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = field(default_factory=Histogram)
+    # KV cache configuration, fixed at start (exported as vLLM's cache_config_info)
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    enable_prefix_caching: bool = True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from vt.subprocesses import terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"vt: serving on (http://\S+)")
@@ -30,14 +31,7 @@ class ServerHandle:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait for a clean exit (kill after `timeout`), return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
     def output(self) -> str:
         return "".join(self.lines)

@@ -114,7 +114,13 @@ def test_cuda12_base_and_extra() -> None:
     instr = instructions((ROOT / "Dockerfile").read_text())
     bases = [rest.split()[0] for word, rest in instr if word == "FROM"]
     assert any(re.match(r"nvidia/cuda:12\.", b) for b in bases), bases
-    assert any(word == "RUN" and "[cuda12]" in rest for word, rest in instr)
+    assert any(word == "RUN" and re.search(r"\[(\S+,)?cuda12(,\S+)?\]", rest) for word, rest in instr)
+
+
+def test_image_can_publish_kv_events() -> None:
+    # deploy/kubernetes/deployment.yaml passes --kv-events-config, which needs the kv-events extra
+    instr = instructions((ROOT / "Dockerfile").read_text())
+    assert any(word == "RUN" and re.search(r"\[(\S+,)?kv-events(,\S+)?\]", rest) for word, rest in instr)
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from vt.http.vllm_metrics import write_vllm_metrics
 from vt.stats import EngineStats, Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,6 +21,7 @@ _COUNTERS = (
     ("generation_tokens_total", "Tokens generated."),
     ("num_preemptions_total", "Requests preempted."),
     ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache."),
+    ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("steps_total", "Engine steps run."),
     ("step_time_seconds_total", "Time from step launch to completion, summed."),
     ("gpu_idle_seconds_total", "Time with work waiting but no step in flight."),
@@ -65,9 +67,15 @@ class _Writer:
         self.sample(f"{name}_count", labels, h.count)
 
 
+def _finish_reasons(stats: EngineStats) -> list[str]:
+    return list(FINISH_REASONS) + sorted(str(r) for r in stats.request_success_total
+                                         if r not in FINISH_REASONS)
+
+
 def render_metrics(stats: EngineStats, model_name: str,
                    http_responses: Mapping[int | str, int] | None = None) -> str:
-    """The /metrics page: every engine metric labelled with model_name, then HTTP responses by status."""
+    """The /metrics page: every engine metric labelled with model_name, then HTTP responses by
+    status, then the vLLM-named mirror (vt.http.vllm_metrics)."""
     w = _Writer()
     base = {"model_name": model_name}
     for name, help_ in _GAUGES:
@@ -78,9 +86,7 @@ def render_metrics(stats: EngineStats, model_name: str,
         w.sample(f"vt:{name}", base, getattr(stats, name))
 
     w.header("vt:request_success_total", "counter", "Finished requests by finish reason.")
-    reasons = list(FINISH_REASONS) + sorted(str(r) for r in stats.request_success_total
-                                            if r not in FINISH_REASONS)
-    for reason in reasons:
+    for reason in _finish_reasons(stats):
         w.sample("vt:request_success_total", {**base, "finished_reason": reason},
                  stats.request_success_total.get(reason, 0))
 
@@ -91,4 +97,5 @@ def render_metrics(stats: EngineStats, model_name: str,
     w.header("vt:http_responses_total", "counter", "HTTP responses sent, by status code.")
     for status, count in sorted((http_responses or {}).items(), key=lambda kv: str(kv[0])):
         w.sample("vt:http_responses_total", {"status": str(status)}, count)
+    write_vllm_metrics(w, stats, base, _finish_reasons)
     return "\n".join(w.lines) + "\n"

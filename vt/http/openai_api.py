@@ -232,6 +232,7 @@ class OpenAIApp:
         self.engine = engine
         self.served_model_name = served_model_name
         self.server: Any = None
+        self.draining = False  # set by begin_drain() on SIGTERM
         self._api_key = api_key.encode() if api_key else None
         # path -> (needs auth, {method: handler})
         self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
@@ -241,9 +242,15 @@ class OpenAIApp:
             "/tokenize": (True, {"POST": self._tokenize}),
             "/detokenize": (True, {"POST": self._detokenize}),
             "/health": (False, {"GET": self._health}),
+            "/load": (False, {"GET": self._load}),
             "/metrics": (False, {"GET": self._metrics}),
             "/version": (False, {"GET": self._version}),
         }
+
+    def begin_drain(self) -> None:
+        """Shutting down: /health answers 503 at once, so balancers stop sending here, and new
+        generation requests get a 503 a router retries elsewhere, while in-flight ones finish."""
+        self.draining = True
 
     async def handle(self, req: HttpRequest) -> Response | StreamResponse:
         try:
@@ -333,6 +340,9 @@ class OpenAIApp:
 
     def _start(self, base_id: str, prompt_ids: list[int], r: GenerationRequest) -> list[Any]:
         """Add the n engine requests; on any failure abort the ones already added."""
+        if self.draining:
+            raise HttpError(503, "the server is shutting down; retry on another replica",
+                            type="service_unavailable", headers=[("retry-after", "1")])
         streams: list[Any] = []
         ids = self._request_ids(base_id, r.params.n)
         try:
@@ -610,9 +620,16 @@ class OpenAIApp:
         return _json({"prompt": self.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
 
     async def _health(self, req: HttpRequest) -> Response:
+        if self.draining:
+            return Response(503, error_body("the server is shutting down", type="service_unavailable"))
         if self.engine.healthy:
             return Response(200, b"")
         return Response(503, error_body("the engine is not running", type="service_unavailable"))
+
+    async def _load(self, req: HttpRequest) -> Response:
+        # vLLM's /load (--enable-server-load-tracking): requests the engine holds, waiting or running
+        s = self.engine.stats()
+        return _json({"server_load": s.num_requests_running + s.num_requests_waiting})
 
     async def _metrics(self, req: HttpRequest) -> Response:
         server = self.server

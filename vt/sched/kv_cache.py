@@ -12,6 +12,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from vt.sched.kv_events import BlockStored, KVEventLog
+
 
 class InvariantError(RuntimeError):
     """The pool's or the scheduler's bookkeeping is inconsistent (a bug, never a user error)."""
@@ -44,6 +46,7 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # hash -> block id
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
+        self.events: KVEventLog | None = None  # set to record KV events (a router mirrors them)
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -100,6 +103,8 @@ class BlockPool:
         if content is not None:
             if self._cached.get(content[0]) == b:
                 del self._cached[content[0]]
+                if self.events is not None:
+                    self.events.removed(content[0])
             self._content[b] = None
 
     # ---- prefix cache -------------------------------------------------------------------------
@@ -118,7 +123,18 @@ class BlockPool:
         if h not in self._cached:
             self._cached[h] = block_id
             self._content[block_id] = (h, parent_hash, tuple(token_ids))
+            if self.events is not None:
+                self.events.stored(h, parent_hash, self._content[block_id][2])
         return h
+
+    def cached_blocks(self) -> list[BlockStored]:
+        """Every cached block (owned or free), one BlockStored each, in the order they were
+        cached: a snapshot a KV-event subscriber can rebuild the cache from."""
+        out = []
+        for h, b in self._cached.items():
+            _, parent, tokens = self._content[b]
+            out.append(BlockStored((h,), parent, tokens, self.block_size))
+        return out
 
     def _lookup(self, parent: int | None, tokens: tuple[int, ...]) -> tuple[int, int] | None:
         h = hash_block(parent, tokens)
