@@ -4,6 +4,7 @@ echo, and the ids /detokenize takes."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -221,3 +222,17 @@ async def test_detokenize_takes_ids_up_to_the_model_vocabulary():
     assert (await call(app, "POST", "/detokenize", {"tokens": [72, 299]})).status == 200
     resp = await call(app, "POST", "/detokenize", {"tokens": [300]})
     assert resp.status == 400 and jbody(resp)["error"]["param"] == "tokens"
+
+
+# --- request log lines ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("log_requests", [True, False])
+async def test_requests_are_logged_at_debug_unless_disabled(caplog, log_requests):
+    caplog.set_level(logging.DEBUG, logger="vt.http")
+    app = make_app(FakeEngine(), log_requests=log_requests)
+    resp = await call(app, "POST", "/v1/completions", COMPLETION)
+    lines = [r for r in caplog.records if r.getMessage().startswith("request cmpl-")]
+    assert len(lines) == int(log_requests)
+    if log_requests:
+        assert lines[0].levelno == logging.DEBUG and jbody(resp)["id"] in lines[0].getMessage()
+        assert "prompt tokens [9]" in lines[0].getMessage()
