@@ -15,7 +15,7 @@ from vt.vllm_flags import add_model_flags, add_serve_flags, api_options, check_m
 log = logging.getLogger("vt.serve")
 
 
-class _FORMATTER(argparse.ArgumentDefaultsHelpFormatter):  # noqa: N801
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help shows its default: appended, unless the text already states it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=_FORMATTER)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=_HelpFormatter)
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log detail: info shows the start-up summary and stats lines, debug each request")
     add_serve_flags(s)
 
-    g = sub.add_parser("generate", help="generate text for one prompt", formatter_class=_FORMATTER)
+    g = sub.add_parser("generate", help="generate text for one prompt", formatter_class=_HelpFormatter)
     _engine_args(g)
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-request sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
-    m = sub.add_parser("make-model", help="write a random-weight checkpoint", formatter_class=_FORMATTER)
+    m = sub.add_parser("make-model", help="write a random-weight checkpoint", formatter_class=_HelpFormatter)
     m.add_argument("dir", help="folder to write")
     m.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
     m.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "8b"],

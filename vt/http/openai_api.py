@@ -527,8 +527,8 @@ class OpenAIApp:
             raise ProtocolError("the messages render to an empty prompt", "messages")
         # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
         # echo repeats the final message's content when the reply continues it
-        role = "assistant" if opts.add_generation_prompt else r.messages[-1]["role"]
         last = r.messages[-1]
+        role = "assistant" if opts.add_generation_prompt else last["role"]
         echoed = last["content"] if get_bool(body, "echo", False) and last["role"] == role else ""
         base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r)
         if r.stream:

@@ -253,8 +253,8 @@ def parse_prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
             raise ProtocolError(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request",
                                 "prompt")
         batch = tuple(_parse_one_prompt(p) for p in v)
-        if all(p is not None for p in batch):
-            return batch  # type: ignore[return-value]
+        if None not in batch:
+            return batch
     raise ProtocolError("'prompt' must be a string, a list of token ids, or a list of strings or of "
                         "token-id lists", "prompt")
 
