@@ -76,3 +76,18 @@ async def test_log_stats_logs_while_busy(caplog):
     finally:
         task.cancel()
     assert caplog.records and "Avg generation throughput" in caplog.records[0].getMessage()
+
+
+def test_startup_summary_names_captured_graphs_on_cuda():
+    mc = ModelConfig.from_dict(hf_config("qwen3", PRESETS["0.6b"], 151936, 0, 1))
+    graphs = {(slot, size): None for slot in (0, 1) for size in (1, 2, 4)}
+    runner = SimpleNamespace(num_blocks=1000, use_graphs=True, graphs=graphs, graph_sizes=(1, 2, 4),
+                             pieces={(0, 16): None, (1, 16): None})
+    cfg = EngineConfig(model="/models/Qwen3-0.6B", block_size=16)
+    engine = SimpleNamespace(model_config=mc, runner=runner, config=cfg, ops=SimpleNamespace(name="cuda"),
+                             max_model_len=40960, depth=2)
+    text = "\n".join(startup_lines(engine, 30.0))
+    assert "on cuda" in text
+    assert "weights: 596.05 M parameters, 1.11 GiB" in text
+    assert "16000 tokens, 1.71 GiB; maximum concurrency at 40960 tokens per request: 0.39x" in text
+    assert "CUDA graphs: 6 decode graphs (3 batch sizes) and 2 piecewise prefill sets captured" in text
