@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.model is not None and args.model != args.model_pos:
                 parser.error("give the model either as MODEL or as --model, not both")
             args.model = args.model_pos
+        if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
+            # `--served-model-name a /models/x` reads the model as a second name: never serve the demo then
+            parser.error("--served-model-name took several names and no model was given; put MODEL "
+                         "before --served-model-name, or use --model")
         _positive(args, parser)
         if args.command == "serve":
             # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.

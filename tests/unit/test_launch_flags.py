@@ -76,6 +76,11 @@ def test_launch_flags_vt_cannot_honour_fail_with_a_message(model, args, needle):
     assert "Traceback" not in r.stderr
 
 
+def test_a_model_swallowed_by_served_model_name_is_an_error_not_the_demo(model):
+    r = vt("serve", "--served-model-name", "chat", str(model), "--device", "cpu")
+    assert r.returncode == 2 and "put MODEL before --served-model-name" in r.stderr
+
+
 def test_a_hugging_face_id_missing_from_the_cache_says_so(tmp_path):
     r = vt("serve", "Qwen/Qwen3-8B", "--device", "cpu", env={"HF_HUB_CACHE": str(tmp_path)})
     assert r.returncode == 1
