@@ -67,6 +67,16 @@ async def test_batch_prompts_stream_every_choice_with_its_index():
     assert events[-2]["usage"]["prompt_tokens"] == len(ENC("ab")) + len(ENC("c")) + len(ENC("de"))
 
 
+async def test_completions_take_add_special_tokens():
+    engine = FakeEngine()
+    app = make_app(engine)
+    for add_special, want in ((True, ENC("ab")), (False, ENC("ab", add_special_tokens=False))):
+        body = {"prompt": ["ab"], "add_special_tokens": add_special}
+        assert (await call(app, "POST", "/v1/completions", body)).status == 200
+        assert engine.calls[-1].prompt == want
+    assert ENC("ab")[0] == 1 and ENC("ab", add_special_tokens=False)[0] != 1
+
+
 async def test_a_batch_that_the_engine_refuses_midway_adds_nothing():
     engine = FakeEngine()
 

@@ -342,9 +342,10 @@ class OpenAIApp:
                                 f"returns at most {cap} (--max-logprobs)", logprobs_param)
         return dataclasses.replace(r, params=params)
 
-    def _completion_prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+    def _completion_prompt_ids(self, prompt: str | tuple[int, ...],
+                               add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             self._check_token_ids(prompt, "prompt")
             ids = list(prompt)
@@ -455,7 +456,8 @@ class OpenAIApp:
         body = parse_json_object(req.body)
         r = self._with_defaults(parse_completion_request(body), body, "logprobs")
         self._check_model(r.model)
-        prompts = [self._completion_prompt_ids(p) for p in r.prompts]
+        add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
+        prompts = [self._completion_prompt_ids(p, add_special) for p in r.prompts]
         num_prompt = sum(map(len, prompts))
         base_id, created, streams, choices = self._launch("cmpl", prompts, r)
         if r.stream:
