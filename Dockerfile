@@ -15,9 +15,10 @@ FROM base AS build
 RUN python3 -m venv /opt/vt
 ENV PATH=/opt/vt/bin:$PATH
 WORKDIR /src
-# Dependencies first, against a placeholder package, so code changes do not reinstall them.
+# Dependencies first, against a placeholder package (it holds the version pyproject reads), so
+# code changes do not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir vt && touch vt/__init__.py && pip install '.[cuda12,kv-events]'
+RUN mkdir vt && echo '__version__ = "0"' > vt/__init__.py && pip install '.[cuda12,kv-events]'
 COPY vt ./vt
 RUN pip install --no-deps --force-reinstall . && rm -rf build *.egg-info
 

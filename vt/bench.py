@@ -223,8 +223,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         from vt.model.make_model import default_model_dir
 
         model_dir = str(default_model_dir())
-    if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(f"{model_dir!r} is not a checkpoint folder (no config.json in it)")
+    if model_dir is not None:
+        from vt.model.locate import resolve_model
+
+        try:  # a folder, or a Hugging Face id in the local cache, as `vt serve` takes it
+            resolve_model(model_dir)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     try:
         extra = shlex.split(args.server_args)
     except ValueError as e:
@@ -934,6 +939,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed usage and the message
         return e.code if isinstance(e.code, int) else 2
+    if args.plot:
+        from vt.bench_plot import MISSING_MATPLOTLIB, plotting_available
+
+        if not plotting_available():  # now, not after a run that cannot be plotted
+            print(f"vt bench: error: {MISSING_MATPLOTLIB}", file=sys.stderr)
+            return 2
     try:
         cfg = config_from_args(args)
     except ValueError as e:

@@ -9,6 +9,17 @@ from collections.abc import Mapping, Sequence
 
 from vt.bench_stats import RequestRecord, e2els, throughput_over_time, tpots, ttfts
 
+MISSING_MATPLOTLIB = ("--plot needs matplotlib, the bench extra: pip install 'vt-serve[bench]' "
+                      "(in a clone: pip install -e '.[bench]')")
+
+
+def plotting_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 def _cdf(ax, values_s: Sequence[float], label: str) -> None:
     if not values_s:
@@ -33,7 +44,7 @@ def save_plot(path: str, arms: Mapping[str, Sequence[Sequence[RequestRecord]]]) 
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'vt[bench]'") from None
+        raise RuntimeError(MISSING_MATPLOTLIB) from None
     matplotlib.use("Agg")  # no display needed; must precede pyplot's import
     import matplotlib.pyplot as plt
 

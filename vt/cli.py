@@ -9,30 +9,56 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vt import __version__
 from vt.config import EngineConfig
+from vt.vllm_flags import add_model_flags, add_serve_flags, api_options, check_model_flags
+
+log = logging.getLogger("vt.serve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help shows its default: appended, unless the text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 if TYPE_CHECKING:
     from vt.kv_publisher import KVEventsConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in tiny demo model)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder, or a Hugging Face id found in the local Hugging Face cache "
+                        "(default: the built-in tiny demo model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="cuda (CuPy), cpu (the numpy backend) or auto: cuda where a GPU is found")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per sequence, prompt and output (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
-                   default=None, help="explicit KV cache size in blocks")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enforce-eager", action="store_true")
+                   default=None, help="explicit KV cache size in blocks (default: sized from memory)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="KV cache size in bytes (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory vt may use; the KV cache takes what the model leaves")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order; priority: the request field `priority`, lower first")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step N+1 while step N runs")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound (503 beyond)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests that give no seed of their own")
+    add_model_flags(p)
 
 
 def _positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -46,14 +72,14 @@ def _positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    model = args.model
-    if model is None:
+    if args.model is None:
         from vt.model.make_model import default_model_dir
 
-        model = str(default_model_dir())
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model!r} is not a checkpoint folder (no config.json in it)")
+        path = default_model_dir()
+    else:
+        from vt.model.locate import resolve_model
+
+        path = resolve_model(args.model, args.revision)
     return EngineConfig(
         model=str(path), device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -76,16 +102,20 @@ def _kv_events_config(text: str | None) -> KVEventsConfig | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vt", description="vt: an OpenAI-compatible LLM server")
+    parser.add_argument("--version", action="version", version=f"vt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=_HelpFormatter)
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
     _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API; more names are accepted as aliases (default: the "
+                        "--model argument as given, its last path part also accepted)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or VT_API_KEY)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0)
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
     s.add_argument("--http-header-timeout", type=float, default=None,
                    help="seconds for a request head to arrive (default 10; VT_HTTP_HEADER_TIMEOUT)")
     s.add_argument("--http-keepalive-timeout", type=float, default=None,
@@ -100,24 +130,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs the kv-events extra)")
     s.add_argument("--enable-server-load-tracking", action="store_true",
                    help="accepted as vLLM's; GET /load is always served")
-    s.add_argument("--log-level", default="warning")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log detail: info shows the start-up summary and stats lines, debug each request")
+    add_serve_flags(s)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    g = sub.add_parser("generate", help="generate text for one prompt", formatter_class=_HelpFormatter)
     _engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     g.add_argument("--seed-sampling", dest="sample_seed", type=int, default=None,
                    help="per-request sampling seed")
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
-    m = sub.add_parser("make-model", help="write a random-weight checkpoint")
-    m.add_argument("dir")
-    m.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
-    m.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "8b"])
-    m.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("make-model", help="write a random-weight checkpoint", formatter_class=_HelpFormatter)
+    m.add_argument("dir", help="folder to write")
+    m.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
+    m.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "8b"],
+                   help="size: tiny (CPU tests), or Qwen3-0.6B / Qwen3-8B shapes")
+    m.add_argument("--seed", type=int, default=0, help="weights seed")
 
     b = sub.add_parser("bench", help="serving benchmark (see `vt bench --help`)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -138,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return replicas_main(argv[1:])
     parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     try:
         if args.command == "make-model":
@@ -150,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.model is not None and args.model != args.model_pos:
                 parser.error("give the model either as MODEL or as --model, not both")
             args.model = args.model_pos
+        if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
+            # `--served-model-name a /models/x` reads the model as a second name: never serve the demo then
+            parser.error("--served-model-name took several names and no model was given; put MODEL "
+                         "before --served-model-name, or use --model")
         _positive(args, parser)
         if args.command == "serve":
             # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.
@@ -157,23 +197,41 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--port must be in [0, 65535], got {args.port}")
             if args.shutdown_timeout < 0:
                 parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        notes = check_model_flags(args)
         cfg = _engine_config(args)
         if args.command == "serve":
-            logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+            logging.basicConfig(level=args.log_level.upper(), datefmt="%m-%d %H:%M:%S",
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             from vt.serve import limits_from_env, run_server
 
             limits = limits_from_env(header_timeout_s=args.http_header_timeout,
                                      keepalive_timeout_s=args.http_keepalive_timeout,
                                      max_connections=args.max_connections,
                                      max_body_bytes=args.max_body_bytes)
-            name = args.served_model_name or Path(cfg.model).name
-            return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits)
+            name, aliases = _model_names(args.served_model_name, args.model, cfg.model)
+            options = api_options(args, cfg.model, aliases)
+            for note in notes:
+                log.info("%s", note)
+            return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits,
+                              options=options, log_stats=not args.disable_log_stats)
         return _generate(args, cfg)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"vt: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _model_names(served: list[str] | None, model_arg: str | None,
+                 model_dir: str) -> tuple[str, tuple[str, ...]]:
+    """The served name and its aliases: --served-model-name's names, else the --model argument as
+    given (vLLM's default) with its last path part as an alias; the demo is named by its folder."""
+    if served:
+        return served[0], tuple(served[1:])
+    if model_arg is None:
+        return Path(model_dir).name, ()
+    short = Path(model_arg).name
+    return model_arg, (short,) if short and short != model_arg else ()
 
 
 def _generate(args: argparse.Namespace, cfg: EngineConfig) -> int:

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import secrets
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -182,6 +182,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
+        self._seeds = random.Random(config.seed)
         self._dead: str | None = None
         self._consecutive_failures = 0
         self.record_events = False
@@ -263,8 +264,8 @@ class AsyncEngine:
                 f"{n} prompt tokens and max_tokens {max_tokens} ({n + max_tokens} in all)")
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        if params.seed is None:  # drawn from --seed's stream: a restarted server samples the same
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         self._seq += 1
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       arrival=time.monotonic(), seq=self._seq, priority=priority, max_tokens=max_tokens)

@@ -8,21 +8,27 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 
 from vt.config import EngineConfig
 from vt.engine import AsyncEngine
+from vt.http.api_options import ApiOptions
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpLimits, HttpServer
+from vt.startup_summary import startup_lines
+from vt.stats_logger import STATS_INTERVAL_S, log_stats
 
 log = logging.getLogger("vt.serve")
 
 
 async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
-                api_key: str | None, shutdown_timeout: float, limits: HttpLimits | None = None) -> int:
+                api_key: str | None, shutdown_timeout: float, limits: HttpLimits | None = None,
+                options: ApiOptions | None = None, log_stats_every: float | None = None) -> int:
+    started = time.monotonic()
     engine = AsyncEngine(cfg)
     await engine.start()
-    app = OpenAIApp(engine, served_model_name, api_key=api_key)
+    app = OpenAIApp(engine, served_model_name, api_key=api_key, options=options)
     server = HttpServer(app.handle, limits or HttpLimits())
     app.server = server
     await server.start(host, port)
@@ -35,10 +41,15 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    for line in startup_lines(engine, time.monotonic() - started, app.options.sampling_defaults):
+        log.info("%s", line)
+    stats = asyncio.create_task(log_stats(engine, log_stats_every)) if log_stats_every else None
     shown = f"[{host}]" if ":" in host else host
     print(f"vt: serving on http://{shown}:{server.port} (model {served_model_name})", flush=True)
     await stop.wait()
     print("vt: shutting down", flush=True)
+    if stats is not None:
+        stats.cancel()
     # Drain: /health turns 503 and new requests get 503 at once while the listener stays open, so
     # balancers and routers move traffic elsewhere; in-flight requests finish within the timeout
     # and the rest are aborted. Then the server closes, with a second for the last chunks.
@@ -73,14 +84,16 @@ def limits_from_env(env: Mapping[str, str] | None = None, **overrides: float | i
 
 
 def run_server(cfg: EngineConfig, host: str, port: int, served_model_name: str, api_key: str | None,
-               shutdown_timeout: float, limits: HttpLimits | None = None) -> int:
+               shutdown_timeout: float, limits: HttpLimits | None = None, options: ApiOptions | None = None,
+               log_stats: bool = True) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         uvloop = None
     api_key = api_key or os.environ.get("VT_API_KEY") or None
     coro = serve(cfg, host, port, served_model_name, api_key, shutdown_timeout,
-                 limits if limits is not None else limits_from_env())
+                 limits if limits is not None else limits_from_env(), options,
+                 STATS_INTERVAL_S if log_stats else None)
     if uvloop is not None:
         return uvloop.run(coro)
     return asyncio.run(coro)

@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from vt.chat_template import ChatTemplateError, TemplateCache, render_chat
+
+__all__ = ["ChatTemplateError", "DetokStream", "Tokenizer"]
+
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6  # prompt tail the detokenizer decodes with, for context-dependent decoders
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing, does not compile, or failed while rendering."""
 
 
 def _read_json(path: Path) -> dict:
@@ -79,7 +78,7 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
-        self._compiled: Any = None
+        self._templates = TemplateCache()
         try:  # tokenizers >= 0.21 streams decodes in Rust; older ones use DetokStream's own window
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers.decoders import DecodeStream
@@ -142,54 +141,23 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     # ---- chat template -------------------------------------------------------------------
-    def _template(self) -> Any:
-        if self._compiled is not None:
-            return self._compiled
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, variables: dict[str, Any] | None = None,
+                            **kwargs: Any) -> str:
+        """The prompt text of a chat, as transformers renders it: `chat_template` replaces the
+        model's own; `variables` (and kwargs) reach the template beside the special tokens."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json chat_template or "
-                "chat_template.jinja); use the completions endpoint or provide a template")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ChatTemplateError(f"chat template error: {message}")
-
-        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-                   separators: Any = None, sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
-
-        def strftime_now(fmt: str) -> str:
-            return datetime.now().strftime(fmt)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
-        try:
-            self._compiled = env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template does not compile: {e}") from e
-        return self._compiled
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ChatTemplateError("messages must be a list of objects")
-        template = self._template()
-        import jinja2
-
-        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                     "pad_token": self.pad_token or "", **kwargs,
-                     "messages": messages, "add_generation_prompt": add_generation_prompt}
-        try:
-            return template.render(**variables)
-        except ChatTemplateError:
-            raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
-            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+                "chat_template.jinja); use the completions endpoint or provide a template "
+                "(vt serve --chat-template)")
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or ""}
+        return render_chat(self._templates.get(source), messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools,
+                           variables={**special, **kwargs, **(variables or {})})
 
 
 class DetokStream:

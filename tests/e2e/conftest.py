@@ -45,13 +45,15 @@ def _pump(stream, lines: list[str], q: queue.Queue) -> None:
     q.put(None)
 
 
-def start_server(model_dir: str | os.PathLike, *extra_args: str,
+def start_server(model_dir: str | os.PathLike | None, *extra_args: str,
                  timeout: float = START_TIMEOUT_S) -> ServerHandle:
-    """Start `python -m vt serve` on 127.0.0.1 with a free port and wait until it is serving."""
+    """Start `python -m vt serve` on 127.0.0.1 with a free port and wait until it is serving
+    (model_dir None: the model comes in extra_args)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "vt", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+    model = [] if model_dir is None else ["--model", str(model_dir)]
+    cmd = [sys.executable, "-m", "vt", "serve", *model, "--host", "127.0.0.1",
            "--port", "0", "--device", os.environ.get("VT_TEST_DEVICE", "cpu"), *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(REPO_ROOT), env=env)

@@ -31,7 +31,10 @@ def count_tokens(url: str, **body) -> int:
 
 def test_models_lists_the_served_model(vt_server, tiny_model_dir, client):
     models = client.models.list().data
-    assert [m.id for m in models] == [tiny_model_dir.name]
+    assert [m.id for m in models] == [str(tiny_model_dir)]  # the --model argument as given, as vLLM
+    # the folder name stays accepted as an alias; the response names the served model
+    r = client.completions.create(model=tiny_model_dir.name, prompt="hi", max_tokens=1)
+    assert r.model == str(tiny_model_dir)
     raw = httpx.get(f"{vt_server.url}/v1/models").json()["data"][0]
     assert raw["owned_by"] == "vt" and raw["max_model_len"] > 0
 

@@ -40,7 +40,7 @@ def test_tiny_qwen3_loads_in_transformers_with_our_weights(tiny):
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
     assert cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is True
     tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] - 64 < tok.get_vocab_size() <= cfg["vocab_size"]
+    assert cfg["vocab_size"] % 64 == 0 and tok.get_vocab_size() == cfg["vocab_size"]
     model = _load(path)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     weights = load_file(str(path / "model.safetensors"))
@@ -128,3 +128,43 @@ def test_default_model_dir_is_made_once(tmp_path, monkeypatch):
     assert mm.default_model_dir() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == ["demo-tiny"]  # no half-written temp dirs left
+
+
+def _decodes_and_round_trips(tok, trained: int) -> None:
+    """Every id decodes to non-empty text; every id past the trained ones encodes back to itself."""
+    ids = list(range(tok.get_vocab_size()))
+    texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    assert all(texts), [i for i, t in zip(ids, texts) if not t][:5]
+    grown = [e.ids for e in tok.encode_batch(texts[trained:], add_special_tokens=False)]
+    assert grown == [[i] for i in ids[trained:]]
+
+
+def test_every_id_of_the_tiny_vocabulary_has_text(tiny):
+    path, _ = tiny
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.get_vocab_size() == json.loads((path / "config.json").read_text())["vocab_size"] == 1024
+    _decodes_and_round_trips(tok, mm.PRESETS["tiny"].tokenizer_vocab)
+    # ordinary text still encodes and decodes as before
+    assert tok.decode(tok.encode("Hello café 你好 🚀").ids) == "Hello café 你好 🚀"
+
+
+def test_the_big_presets_tokenizer_is_as_large_as_their_vocabulary_and_quick_to_make():
+    p = mm.PRESETS["0.6b"]
+    assert mm.PRESETS["8b"].vocab == p.vocab == 151936
+    start = time.perf_counter()
+    tok = mm.grow_tokenizer(mm.train_tokenizer(p.tokenizer_vocab), p.vocab)
+    assert time.perf_counter() - start < 30  # seconds, not a BPE training over 151k merges
+    assert tok.get_vocab_size() == p.vocab
+    _decodes_and_round_trips(tok, p.tokenizer_vocab)
+
+
+def test_a_demo_model_from_an_older_vt_is_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("VT_CACHE_DIR", str(tmp_path))
+    old = tmp_path / "demo-tiny"
+    old.mkdir()
+    (old / "config.json").write_text("{}")  # an older demo: no format stamp
+    demo = mm.default_model_dir()
+    assert demo == old and (demo / "model.safetensors").exists()
+    tok = HFTokenizer.from_file(str(demo / "tokenizer.json"))
+    assert tok.get_vocab_size() == json.loads((demo / "config.json").read_text())["vocab_size"]
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-tiny"]

@@ -8,6 +8,7 @@ the way OpenAI clients (and vLLM's extras) expect.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -19,6 +20,8 @@ from typing import Any
 import orjson
 
 from vt.http import metrics
+from vt.http.api_options import ApiOptions
+from vt.http.chat_options import ChatTemplateOptions, parse_template_options
 from vt.http.errors import HttpError, error_body
 from vt.http.protocol import (
     ChatRequest,
@@ -34,6 +37,7 @@ from vt.http.protocol import (
     parse_messages,
 )
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
+from vt.sampling import SamplingParamsError
 
 log = logging.getLogger("vt.http")
 
@@ -73,14 +77,9 @@ class _TextEvents:
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from vt import __version__
 
-        return version("vt")
-    except Exception:
-        import vt
-
-        return getattr(vt, "__version__", "0.1.0")
+    return __version__
 
 
 def _engine_error(e: Exception) -> HttpError | None:
@@ -228,9 +227,12 @@ class _SseBody:
 class OpenAIApp:
     """Routes requests to handlers; `server` (settable) supplies HTTP counters for /metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: Any, served_model_name: str, api_key: str | None = None,
+                 options: ApiOptions | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.options = options or ApiOptions()
+        self._model_names = frozenset((served_model_name, *self.options.model_aliases))
         self.server: Any = None
         self.draining = False  # set by begin_drain() on SIGTERM
         self._api_key = api_key.encode() if api_key else None
@@ -301,34 +303,56 @@ class OpenAIApp:
                             code="unsupported_media_type")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self._model_names:
             raise HttpError(404, f"the model '{model}' does not exist; this server serves "
                                  f"'{self.served_model_name}'", type="not_found_error",
                             param="model", code="model_not_found")
 
     def _check_token_ids(self, ids: tuple[int, ...] | list[int], param: str) -> None:
-        vocab = self.engine.tokenizer.vocab_size
+        # any id the model can produce is valid, also where its vocabulary has rows past the tokenizer
+        model_cfg = getattr(self.engine, "model_config", None)
+        vocab = max(self.engine.tokenizer.vocab_size, model_cfg.vocab_size if model_cfg else 0)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
 
     # --- prompts ---
 
-    def _chat_prompt_ids(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]],
-                         add_generation_prompt: bool = True) -> list[int]:
+    def _chat_prompt_ids(self, messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+                         opts: ChatTemplateOptions) -> list[int]:
+        if opts.chat_template is not None and not self.options.trust_request_chat_template:
+            raise ProtocolError("this server does not run chat templates sent in requests; start it with "
+                                "--trust-request-chat-template to allow them", "chat_template")
         tok = self.engine.tokenizer
         try:
-            rendered = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+            rendered = tok.apply_chat_template(
+                list(messages), add_generation_prompt=opts.add_generation_prompt,
+                continue_final_message=opts.continue_final_message,
+                tools=list(opts.tools) if opts.tools is not None else None,
+                chat_template=opts.chat_template or self.options.chat_template, variables=opts.variables)
         except ValueError as e:  # ChatTemplateError and friends
             raise ProtocolError(f"chat template failed: {e}", "messages") from None
         if isinstance(rendered, str):
             # the template already wrote the special tokens (BOS, role markers)
-            return list(tok.encode(rendered, add_special_tokens=False))
+            return list(tok.encode(rendered, add_special_tokens=opts.add_special_tokens))
         return list(rendered)
 
-    def _completion_prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+    def _with_defaults(self, r: Any, body: dict[str, Any], logprobs_param: str) -> Any:
+        """The parsed request with the model's sampling defaults and the server's logprobs cap."""
+        try:
+            params = self.options.sampling_defaults.apply(r.params, lambda name: body.get(name) is not None)
+        except SamplingParamsError as e:
+            raise ProtocolError(f"{e} (with the model's generation_config.json defaults)", e.param) from None
+        cap = self.options.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            raise ProtocolError(f"'{logprobs_param}' asks for {params.logprobs} logprobs; this server "
+                                f"returns at most {cap} (--max-logprobs)", logprobs_param)
+        return dataclasses.replace(r, params=params)
+
+    def _completion_prompt_ids(self, prompt: str | tuple[int, ...],
+                               add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             self._check_token_ids(prompt, "prompt")
             ids = list(prompt)
@@ -338,17 +362,18 @@ class OpenAIApp:
 
     # --- generation plumbing ---
 
-    def _start(self, base_id: str, prompt_ids: list[int], r: GenerationRequest) -> list[Any]:
-        """Add the n engine requests; on any failure abort the ones already added."""
+    def _start(self, ids: list[str], prompts: list[list[int]], r: GenerationRequest) -> list[Any]:
+        """Add the n engine requests of each prompt (choice k: prompt k // n, sample k % n); on any
+        failure abort the ones already added."""
         if self.draining:
             raise HttpError(503, "the server is shutting down; retry on another replica",
                             type="service_unavailable", headers=[("retry-after", "1")])
         streams: list[Any] = []
-        ids = self._request_ids(base_id, r.params.n)
+        n = r.params.n
         try:
-            for i, rid in enumerate(ids):
-                streams.append(self.engine.add_request(rid, prompt_ids, params_for_choice(r.params, i),
-                                                       priority=r.priority))
+            for k, rid in enumerate(ids):
+                params = params_for_choice(r.params, k % n)
+                streams.append(self.engine.add_request(rid, prompts[k // n], params, priority=r.priority))
         except Exception as e:
             for rid in ids[:len(streams)]:
                 self.engine.abort(rid)
@@ -359,8 +384,8 @@ class OpenAIApp:
         return streams
 
     @staticmethod
-    def _request_ids(base_id: str, n: int) -> list[str]:
-        return [base_id] if n == 1 else [f"{base_id}-{i}" for i in range(n)]
+    def _request_ids(base_id: str, count: int) -> list[str]:
+        return [base_id] if count == 1 else [f"{base_id}-{i}" for i in range(count)]
 
     async def _collect(self, req: HttpRequest, streams: list[Any], choices: list[_Choice]) -> None:
         """Drain all streams into `choices`; a client disconnect aborts them."""
@@ -423,23 +448,31 @@ class OpenAIApp:
             content.append(e)
         return {"content": content}
 
-    def _launch(self, prefix: str, prompt_ids: list[int], r: Any) -> tuple[str, int, list, list]:
-        """Start the n engine requests of one API call: (response id, created, streams, choices)."""
+    def _launch(self, prefix: str, prompts: list[list[int]], r: Any) -> tuple[str, int, list, list]:
+        """Start the engine requests of one API call, n per prompt, choice index prompt * n + sample
+        as OpenAI and vLLM number them: (response id, created, streams, choices)."""
         base_id = f"{prefix}-{uuid.uuid4().hex}"
-        streams = self._start(base_id, prompt_ids, r)
-        choices = [_Choice(i, rid) for i, rid in enumerate(self._request_ids(base_id, r.params.n))]
+        ids = self._request_ids(base_id, len(prompts) * r.params.n)
+        streams = self._start(ids, prompts, r)
+        if self.options.log_requests and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: prompt tokens %s, priority %d, %s", base_id, [len(p) for p in prompts],
+                      r.priority, r.params)
+        choices = [_Choice(i, rid) for i, rid in enumerate(ids)]
         return base_id, int(time.time()), streams, choices
 
     # --- /v1/completions ---
 
     async def _completions(self, req: HttpRequest) -> Response | StreamResponse:
-        r = parse_completion_request(parse_json_object(req.body))
+        body = parse_json_object(req.body)
+        r = self._with_defaults(parse_completion_request(body), body, "logprobs")
         self._check_model(r.model)
-        prompt_ids = self._completion_prompt_ids(r.prompt)
-        base_id, created, streams, choices = self._launch("cmpl", prompt_ids, r)
+        add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
+        prompts = [self._completion_prompt_ids(p, add_special) for p in r.prompts]
+        num_prompt = sum(map(len, prompts))
+        base_id, created, streams, choices = self._launch("cmpl", prompts, r)
         if r.stream:
             return self._stream_response(
-                streams, self._completion_events(base_id, created, r, len(prompt_ids), choices))
+                streams, self._completion_events(base_id, created, r, num_prompt, choices))
         await self._collect(req, streams, choices)
         want_lp = r.params.logprobs is not None
         return _json({
@@ -449,7 +482,7 @@ class OpenAIApp:
                 "logprobs": self._completion_logprobs(c.logprobs, c) if want_lp else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices],
-            "usage": self._usage(len(prompt_ids), choices),
+            "usage": self._usage(num_prompt, choices),
         })
 
     def _completion_events(self, base_id: str, created: int, r: CompletionRequest, num_prompt: int,
@@ -497,21 +530,28 @@ class OpenAIApp:
     # --- /v1/chat/completions ---
 
     async def _chat(self, req: HttpRequest) -> Response | StreamResponse:
-        r = parse_chat_request(parse_json_object(req.body))
+        body = parse_json_object(req.body)
+        r = self._with_defaults(parse_chat_request(body), body, "top_logprobs")
+        opts = parse_template_options(body)
         self._check_model(r.model)
-        prompt_ids = self._chat_prompt_ids(r.messages)
+        prompt_ids = self._chat_prompt_ids(r.messages, opts)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
-        base_id, created, streams, choices = self._launch("chatcmpl", prompt_ids, r)
+        # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
+        # echo repeats the final message's content when the reply continues it
+        last = r.messages[-1]
+        role = "assistant" if opts.add_generation_prompt else last["role"]
+        echoed = last["content"] if get_bool(body, "echo", False) and last["role"] == role else ""
+        base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r)
         if r.stream:
             return self._stream_response(
-                streams, self._chat_events(base_id, created, r, len(prompt_ids), choices))
+                streams, self._chat_events(base_id, created, r, len(prompt_ids), choices, role, echoed))
         await self._collect(req, streams, choices)
         return _json({
             "id": base_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
             "choices": [{
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": {"role": role, "content": echoed + "".join(c.text)},
                 "logprobs": self._chat_logprobs(c.logprobs) if r.want_logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices],
@@ -519,7 +559,7 @@ class OpenAIApp:
         })
 
     def _chat_events(self, base_id: str, created: int, r: ChatRequest, num_prompt: int,
-                     choices: list[_Choice]) -> _Events:
+                     choices: list[_Choice], role: str = "assistant", echoed: str = "") -> _Events:
         head = {"id": base_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
 
@@ -532,8 +572,11 @@ class OpenAIApp:
         plain_event = _TextEvents(lambda index, text: {**head, "choices": [{
             "index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
             "stop_reason": None}], **({"usage": None} if r.include_usage else {})})
-        first = [chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+        first = [chunk({"index": c.index, "delta": {"role": role, "content": ""},
                         "logprobs": None, "finish_reason": None}) for c in choices]
+        if echoed:
+            first += [chunk({"index": c.index, "delta": {"content": echoed}, "logprobs": None,
+                             "finish_reason": None}) for c in choices]
 
         def output(i: int, out: Any) -> list[bytes]:
             choices[i].update(out)
@@ -600,7 +643,7 @@ class OpenAIApp:
         self._check_model(get_str(body, "model"))
         if body.get("messages") is not None:
             messages = parse_messages(body["messages"])
-            ids = self._chat_prompt_ids(messages, get_bool(body, "add_generation_prompt", True))
+            ids = self._chat_prompt_ids(messages, parse_template_options(body))
         elif body.get("prompt") is not None:
             prompt = get_str(body, "prompt")
             add_special = get_bool(body, "add_special_tokens", True)

@@ -15,6 +15,7 @@ from vt.sampling import SamplingParams, SamplingParamsError
 
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's cap for the legacy completions endpoint
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_PROMPTS = 1024            # prompts in one completions request (each is n engine requests)
 
 
 class ProtocolError(ValueError):
@@ -38,12 +39,12 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class CompletionRequest(GenerationRequest):
-    prompt: str | tuple[int, ...]   # text to encode, or token ids as given
+    prompts: tuple[str | tuple[int, ...], ...]   # each text to encode, or token ids as given
 
 
 @dataclass(frozen=True)
 class ChatRequest(GenerationRequest):
-    messages: tuple[dict[str, str], ...]   # {"role", "content"} with text content only
+    messages: tuple[dict[str, Any], ...]   # {"role", "content": text} and the tool fields given
     want_logprobs: bool
 
 
@@ -226,33 +227,42 @@ def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
     return model, stream, include_usage, priority
 
 
-def parse_prompt(v: Any) -> str | tuple[int, ...]:
-    """A completions prompt: a string, a list of token ids, or a list holding one string."""
+def _parse_one_prompt(v: Any) -> str | tuple[int, ...] | None:
+    """A string or a list of token ids; None for anything else."""
     if isinstance(v, str):
         if not v:
             raise ProtocolError("'prompt' must not be empty", "prompt")
         return v
-    if isinstance(v, list):
-        if not v:
-            raise ProtocolError("'prompt' must not be empty", "prompt")
-        if all(_is_int(i) for i in v):
-            if any(i < 0 for i in v):
-                raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
-            return tuple(v)
-        if all(isinstance(s, str) for s in v) or all(isinstance(s, list) for s in v):
-            if len(v) > 1:
-                raise ProtocolError(
-                    "several prompts in one request are not supported; send one request per prompt",
-                    "prompt")
-            return parse_prompt(v[0])
-    raise ProtocolError("'prompt' must be a string, a list of token ids or a list with one string",
-                        "prompt")
+    if isinstance(v, list) and v and all(_is_int(i) for i in v):
+        if any(i < 0 for i in v):
+            raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
+        return tuple(v)
+    return None
+
+
+def parse_prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A completions prompt: a string or a list of token ids, or a batch of them (a list of
+    strings or a list of token-id lists)."""
+    if isinstance(v, list) and not v:
+        raise ProtocolError("'prompt' must not be empty", "prompt")
+    one = _parse_one_prompt(v)
+    if one is not None:
+        return (one,)
+    if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v)):
+        if len(v) > MAX_PROMPTS:
+            raise ProtocolError(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request",
+                                "prompt")
+        batch = tuple(_parse_one_prompt(p) for p in v)
+        if None not in batch:
+            return batch
+    raise ProtocolError("'prompt' must be a string, a list of token ids, or a list of strings or of "
+                        "token-id lists", "prompt")
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise ProtocolError("'prompt' is required", "prompt")
-    prompt = parse_prompt(body["prompt"])
+    prompts = parse_prompts(body["prompt"])
     model, stream, include_usage, priority = _common(body)
     if get_bool(body, "echo", False):
         raise ProtocolError("'echo' is not supported", "echo")
@@ -266,11 +276,12 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     params = _sampling_params(body, max_tokens, logprobs, {})
     _best_of(body, params.n)
     return CompletionRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                             priority=priority, prompt=prompt)
+                             priority=priority, prompts=prompts)
 
 
-def parse_messages(v: Any) -> tuple[dict[str, str], ...]:
-    """Chat messages with text content; list content is joined from its text parts."""
+def parse_messages(v: Any) -> tuple[dict[str, Any], ...]:
+    """Chat messages with text content (list content is joined from its text parts) and the tool
+    fields templates read; the `developer` role is `system`, as OpenAI's newer models name it."""
     if not isinstance(v, list) or not v:
         raise ProtocolError("'messages' must be a non-empty list", "messages")
     out = []
@@ -300,8 +311,28 @@ def parse_messages(v: Any) -> tuple[dict[str, str], ...]:
         elif not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content must be a string or a list of parts",
                                 "messages")
-        out.append({"role": role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        message.update(_message_fields(m, i))
+        out.append(message)
     return tuple(out)
+
+
+# Optional message fields chat templates read (tool turns, earlier reasoning): name -> JSON type
+_MESSAGE_FIELDS = {"name": str, "tool_call_id": str, "tool_calls": list, "reasoning_content": str,
+                   "reasoning": str}
+
+
+def _message_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
+    out = {}
+    for name, kind in _MESSAGE_FIELDS.items():
+        v = m.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, kind) or (kind is list and not all(isinstance(c, dict) for c in v)):
+            what = "a list of objects" if kind is list else "a string"
+            raise ProtocolError(f"messages[{i}].{name} must be {what}", "messages")
+        out[name] = v
+    return out
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:

@@ -1,4 +1,5 @@
-"""`vt make-model`: write a random-weight HF-format checkpoint with a tokenizer trained on the spot.
+"""`vt make-model`: write a random-weight HF-format checkpoint with a tokenizer trained on the spot
+and grown to the vocabulary size, so every id the model can sample has text.
 
 Weights are bf16 drawn from per-chunk seeded generators (seed, tensor index, chunk index), so the
 result is deterministic for a seed whatever the thread count, and big presets generate in parallel.
@@ -24,8 +25,12 @@ import numpy as np
 from safetensors.numpy import save_file
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+REPLACEMENT_CHAR = "\ufffd"
 CHUNK_ELEMS = 1 << 23          # elements drawn per generator; bounds memory per worker
 DEFAULT_SHARD_BYTES = 2 << 30  # shards at most about this size (a tensor is never split)
+# The demo folder's format: bumped when make_model's output changes, so a cached demo is remade.
+DEMO_FORMAT = 2
+DEMO_STAMP = "vt-demo-format"
 
 CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -53,13 +58,13 @@ class Preset:
     heads: int
     kv_heads: int
     head_dim: int
-    vocab: int | None          # None: the tokenizer's size rounded up to a multiple of 64
+    vocab: int | None          # None: the trained tokenizer's size rounded up to a multiple of 64
     max_pos: int
     tied: bool
     rope_theta: float
     matrix_std: float
     embed_std: float
-    tokenizer_vocab: int
+    tokenizer_vocab: int       # tokens trained on the corpus; the tokenizer then grows to `vocab`
 
 
 PRESETS: dict[str, Preset] = {
@@ -128,6 +133,60 @@ def train_tokenizer(vocab_size: int = 1000):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(training_corpus(), trainer=trainer)
     return tok
+
+
+def _word_kind(text: str) -> tuple[bool, str] | None:
+    """(leading space, kind) of a token that can sit in one byte-level pre-token: letters, digits
+    or other symbols, optionally after one space; None for anything else."""
+    lead = text.startswith(" ")
+    body = text[1:] if lead else text
+    if not body or REPLACEMENT_CHAR in body:
+        return None
+    kinds = {"L" if c.isalpha() else "N" if c.isnumeric() else "S" if c.isspace() else "P" for c in body}
+    if len(kinds) != 1 or "S" in kinds:
+        return None
+    return lead, kinds.pop()
+
+
+def grow_tokenizer(tok, size: int, seed: int = 0):
+    """The trained tokenizer grown to exactly `size` tokens, so that every id the model can sample
+    has text. Each new token joins two trained tokens whose joined text is one pre-token that the
+    trained merges split into exactly those two: appended as the lowest-priority merges, they turn
+    that text into the new token, so every new id decodes to non-empty text and encodes back to
+    itself. No training: a 151,936-token vocabulary takes a few seconds."""
+    from tokenizers import Tokenizer
+
+    need = size - tok.get_vocab_size()
+    if need < 0:
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, more than {size}")
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    special = {t["id"] for t in data["added_tokens"]}
+    ids = sorted(set(vocab.values()) - special)
+    kinds = dict(zip(ids, map(_word_kind, tok.decode_batch([[i] for i in ids], skip_special_tokens=False))))
+    # a word piece (letters, digits or symbols, maybe after a space) then a piece of the same kind
+    pairs = np.array([(a, b) for a, ka in kinds.items() if ka for b, kb in kinds.items()
+                      if kb and not kb[0] and kb[1] == ka[1]], dtype=np.int64).reshape(-1, 2)
+    pairs = pairs[np.random.default_rng(seed).permutation(len(pairs))]
+    inv = {i: s for s, i in vocab.items()}
+    merges: list[list[str]] = []
+    chunk = max(2 * need, 1024)
+    for start in range(0, len(pairs), chunk):
+        batch = pairs[start:start + chunk].tolist()
+        texts = tok.decode_batch(batch, skip_special_tokens=False)
+        for pair, enc in zip(batch, tok.encode_batch(texts, add_special_tokens=False)):
+            # one pre-token segmented as the pair: the text is then unique to the pair, new to the
+            # vocabulary, and no merge but the new one applies to it
+            if len(merges) < need and enc.ids == pair and enc.word_ids == [0, 0]:
+                merges.append([inv[pair[0]], inv[pair[1]]])
+        if len(merges) == need:
+            break
+    if len(merges) < need:
+        raise ValueError(f"cannot grow the tokenizer to {size} tokens from its {len(ids)} trained ones")
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    data["model"]["merges"] += merges
+    return Tokenizer.from_str(json.dumps(data))
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -271,10 +330,9 @@ def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "t
     out.mkdir(parents=True, exist_ok=True)
 
     tok = train_tokenizer(p.tokenizer_vocab)
-    tok.save(str(out / "tokenizer.json"))
     vocab = p.vocab if p.vocab is not None else -(-tok.get_vocab_size() // 64) * 64
-    if vocab < tok.get_vocab_size():
-        raise ValueError(f"vocab {vocab} is smaller than the tokenizer ({tok.get_vocab_size()})")
+    tok = grow_tokenizer(tok, vocab, seed)  # every row of the vocabulary has a token
+    tok.save(str(out / "tokenizer.json"))
     eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
 
     (out / "config.json").write_text(json.dumps(hf_config(arch, p, vocab, eot, im_end), indent=2))
@@ -301,22 +359,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VT_CACHE_DIR") or Path.home() / ".cache" / "vt")
 
 
+def _is_current_demo(folder: Path) -> bool:
+    stamp = folder / DEMO_STAMP
+    return stamp.is_file() and stamp.read_text().strip() == str(DEMO_FORMAT)
+
+
 def default_model_dir() -> Path:
-    """The demo tiny model in the cache folder, made once (atomically: temp dir, then rename)."""
+    """The demo tiny model in the cache folder, made once (atomically: temp dir, then rename) and
+    made again when an older vt wrote it (its format stamp differs)."""
     target = cache_dir() / "demo-tiny"
-    if (target / "config.json").exists():
+    if _is_current_demo(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-tiny-", dir=target.parent))
+    stale = None
     try:
         # config.json is written before the weights; rename only after everything is on disk
         make_model(tmp, arch="qwen3", preset="tiny", seed=0)
+        (tmp / DEMO_STAMP).write_text(f"{DEMO_FORMAT}\n")
+        if target.exists() and not _is_current_demo(target):
+            stale = Path(tempfile.mkdtemp(prefix=".demo-stale-", dir=target.parent))
+            os.rename(target, stale / "old")
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "config.json").exists():  # not a concurrent maker that won the race
+            if not _is_current_demo(target):  # not a concurrent maker that won the race
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, stale):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return target

@@ -1,0 +1,18 @@
+"""Server-wide settings of the OpenAI routes, taken from `vt serve` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vt.generation_config import SamplingDefaults
+from vt.sampling import MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    model_aliases: tuple[str, ...] = ()       # more names a request may give for the served model
+    chat_template: str | None = None          # --chat-template: replaces the model's own
+    trust_request_chat_template: bool = False  # a request's own chat_template is refused otherwise
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    max_logprobs: int = MAX_LOGPROBS          # most logprobs / top_logprobs a request may ask for
+    log_requests: bool = True                 # a debug log line per request

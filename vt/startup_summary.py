@@ -1,0 +1,81 @@
+"""The start-up summary `vt serve` logs once it is ready: device, model shape and dtype, weight
+memory, KV cache capacity and concurrency, captured graphs, sampling defaults, start-up time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vt import __version__
+from vt.config import ModelConfig
+from vt.generation_config import SamplingDefaults
+
+GIB = 1024**3
+
+
+def _bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def num_parameters(mc: ModelConfig) -> int:
+    """Parameters of the decoder as the checkpoint stores them (a tied lm_head counted once)."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * mc.intermediate_size + 2 * h
+    if mc.attention_bias:
+        layer += q + 2 * kv
+    if mc.qk_norm:
+        layer += 2 * mc.head_dim
+    head = 0 if mc.tie_word_embeddings else mc.vocab_size * h
+    return mc.vocab_size * h + mc.num_layers * layer + h + head
+
+
+def _device_name(ops: Any) -> str:
+    if ops.name != "cuda":
+        return "cpu (numpy backend: float32 compute from the bfloat16 weights)"
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return f"cuda ({name.decode() if isinstance(name, bytes) else name})"
+    except Exception:  # the name is a nicety; the summary goes on without it
+        return "cuda"
+
+
+def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None = None) -> list[str]:
+    """The summary as log lines, read off a started AsyncEngine."""
+    from vt.model.transformer import Transformer
+
+    mc: ModelConfig = engine.model_config
+    runner, cfg = engine.runner, engine.config
+    dtype_bytes = 2 if engine.ops.name == "cuda" else 4
+    params = num_parameters(mc)
+    kv_tokens = runner.num_blocks * cfg.block_size
+    kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes)
+    if runner.use_graphs:
+        graphs = (f"{len(runner.graphs)} decode graphs ({len(runner.graph_sizes)} batch sizes) and "
+                  f"{len(runner.pieces)} piecewise prefill sets captured")
+    else:
+        graphs = "none (eager steps: " + ("--enforce-eager" if cfg.enforce_eager else "numpy backend") + ")"
+    lines = [
+        f"vt {__version__} on {_device_name(engine.ops)}",
+        f"model {cfg.model}: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
+        f"{mc.num_heads} heads / {mc.num_kv_heads} KV heads of {mc.head_dim}, vocab {mc.vocab_size}, "
+        f"{mc.dtype} checkpoint",
+        f"weights: {_count(params)} parameters, {_bytes(params * dtype_bytes)}",
+        f"KV cache: {runner.num_blocks} blocks of {cfg.block_size} tokens = {kv_tokens} tokens, "
+        f"{_bytes(kv_bytes)}; maximum concurrency at {engine.max_model_len} tokens per request: "
+        f"{kv_tokens / engine.max_model_len:.2f}x",
+        f"scheduling: {cfg.scheduling_policy}, up to {cfg.max_num_seqs} sequences and "
+        f"{cfg.max_num_batched_tokens} tokens a step, async scheduling "
+        f"{'on' if engine.depth == 2 else 'off'}",
+        f"CUDA graphs: {graphs}",
+    ]
+    if defaults is not None and defaults.values:
+        lines.append(f"default sampling parameters from {defaults.source}: {defaults.describe()} "
+                     "(a request's own values win; --generation-config vllm turns these off)")
+    lines.append(f"start-up took {seconds:.1f} s")
+    return lines

@@ -1,0 +1,84 @@
+"""The launch flags of a typical vLLM command line that vt honours, accepts or refuses clearly.
+
+A vLLM user's script should start vt unchanged where vt can do what it asks: `--dtype auto` or
+`bfloat16`, `--trust-remote-code` (vt runs no model code but its own), `--tensor-parallel-size 1`,
+`--generation-config`, `--chat-template`, logging switches and `--max-logprobs`. What vt cannot do
+is an error naming the flag, never a silent difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from vt.chat_template import TemplateCache, load_chat_template
+from vt.generation_config import load_sampling_defaults
+from vt.http.api_options import ApiOptions
+from vt.sampling import MAX_LOGPROBS
+
+log = logging.getLogger("vt.serve")
+
+DTYPES_HONOURED = ("auto", "bfloat16")
+_DTYPES_REFUSED = ("float16", "half", "float32", "float")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for every command that loads a model."""
+    p.add_argument("--dtype", default="auto", metavar="{auto,bfloat16}",
+                   help="weight and activation type: vt runs bfloat16 weights (auto or bfloat16; "
+                        "float16 and float32 are refused)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines; vt runs no code from the checkpoint")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs per model; vt serves one GPU per process, so only 1")
+    p.add_argument("--revision", default=None,
+                   help="the snapshot of a Hugging Face id to serve from the local cache: a branch, tag "
+                        "or commit hash (default: main)")
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """`vt serve` flags that shape the API and the log, named as vLLM's."""
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="chat template replacing the checkpoint's: a Jinja file, or the template itself")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in a request (refused with a 400 otherwise)")
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="sampling defaults for fields a request leaves unset: auto = the checkpoint's "
+                        "generation_config.json, vllm = none (vt's own), or a folder holding that file")
+    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help=f"most logprobs / top_logprobs per token a request may ask for (0-{MAX_LOGPROBS})")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line (throughput, queue, KV cache use) every 10 s while busy")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (they are at debug level: --log-level debug shows them)")
+
+
+def check_model_flags(args: argparse.Namespace) -> list[str]:
+    """Errors (ValueError) for what vt cannot do; notes worth logging for what it accepts."""
+    if args.dtype not in DTYPES_HONOURED:
+        known = "" if args.dtype in _DTYPES_REFUSED else "unknown dtype; "
+        raise ValueError(f"--dtype {args.dtype}: {known}vt runs bfloat16 weights; use --dtype auto or "
+                         "bfloat16")
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: vt serves one GPU per "
+                         "process; tensor parallelism is not supported yet (use 1, or one server per GPU)")
+    notes = []
+    if args.trust_remote_code:
+        notes.append("--trust-remote-code: accepted; vt runs no code from the checkpoint, only its own")
+    return notes
+
+
+def api_options(args: argparse.Namespace, model_dir: str | Path, aliases: tuple[str, ...]) -> ApiOptions:
+    """The OpenAI routes' settings from `vt serve` flags; ValueError for a bad value."""
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {args.max_logprobs}")
+    template = None
+    if args.chat_template is not None:
+        template = load_chat_template(args.chat_template)
+        TemplateCache().get(template)  # a template that does not compile fails the start, not requests
+    return ApiOptions(
+        model_aliases=aliases, chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        sampling_defaults=load_sampling_defaults(args.generation_config, model_dir),
+        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests)
