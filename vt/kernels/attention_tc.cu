@@ -199,7 +199,7 @@ __device__ __forceinline__ void attention_tc_body(
     constexpr int DN = D / 8;             // output n-tiles
     extern __shared__ __align__(16) unsigned char smem[];
 
-    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 16 * RW, TC_KT);
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, 16 * RW, TC_KT, RW > 1);
     if (ab.row0 >= ab.nrows) return;
     const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
     const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;

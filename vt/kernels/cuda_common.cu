@@ -115,11 +115,15 @@ __device__ __forceinline__ void grid_dependency_wait() {
 // Where a block of the paged attention grid sits (x = row tile, y = kv head, z = sequence *
 // num_splits; rows are (token, GQA head) pairs of one kv head), and the key tiles of `kt` keys
 // it covers: up to the position of its last row, this split's share of them.
+// longest_first: x counts row tiles from the last one, so that the blocks the chip starts first
+// are the ones with the most keys (causal prefill: later rows see more keys) and the grid ends on
+// short blocks instead of waiting for long ones started last.
 struct AttnBlock {
     int group, kh, b, split, q0, qlen, ctx, nrows, row0, kv_end, tile0, tile1;
 };
 __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, const int* seq_lens, int hq, int hk,
-                                                int num_splits, int rows_per_block, int kt) {
+                                                int num_splits, int rows_per_block, int kt,
+                                                bool longest_first = false) {
     AttnBlock a;
     a.group = hq / hk;
     a.kh = blockIdx.y;
@@ -129,7 +133,7 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     a.qlen = query_start_loc[a.b + 1] - a.q0;
     a.ctx = seq_lens[a.b];
     a.nrows = a.qlen * a.group;
-    a.row0 = blockIdx.x * rows_per_block;
+    a.row0 = (longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rows_per_block;
     const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
     a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
     const int ntiles = (a.kv_end + kt - 1) / kt;
