@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from vt.preview import preview
 from vt.sampling import SamplingParams, SamplingParamsError
 
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's cap for the legacy completions endpoint
@@ -72,7 +73,7 @@ def get_int(body: dict[str, Any], name: str, default: int | None = None) -> int 
     if v is None:
         return default
     if not _is_int(v):
-        raise ProtocolError(f"'{name}' must be an integer, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be an integer, got {preview(v)}", name)
     return v
 
 
@@ -81,7 +82,7 @@ def get_float(body: dict[str, Any], name: str, default: float | None = None) -> 
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"'{name}' must be a number, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a number, got {preview(v)}", name)
     return float(v)
 
 
@@ -90,7 +91,7 @@ def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ProtocolError(f"'{name}' must be a boolean, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a boolean, got {preview(v)}", name)
     return v
 
 
@@ -99,7 +100,7 @@ def get_str(body: dict[str, Any], name: str) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str):
-        raise ProtocolError(f"'{name}' must be a string, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a string, got {preview(v)}", name)
     return v
 
 
@@ -226,33 +227,35 @@ def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
     return model, stream, include_usage, priority
 
 
-def parse_prompt(v: Any) -> str | tuple[int, ...]:
-    """A completions prompt: a string, a list of token ids, or a list holding one string."""
+def parse_prompt(v: Any, max_tokens: int | None = None) -> str | tuple[int, ...]:
+    """A completions prompt: a string, a list of token ids, or a list holding one string or one
+    list of token ids. A token list of `max_tokens` or more ids is refused before it is read."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # one prompt in a batch of one; never unwrapped twice
+    elif isinstance(v, list) and v and all(isinstance(s, (str, list)) for s in v):
+        raise ProtocolError(
+            "several prompts in one request are not supported; send one request per prompt", "prompt")
+    if isinstance(v, (str, list)) and not v:
+        raise ProtocolError("'prompt' must not be empty", "prompt")
     if isinstance(v, str):
-        if not v:
-            raise ProtocolError("'prompt' must not be empty", "prompt")
         return v
     if isinstance(v, list):
-        if not v:
-            raise ProtocolError("'prompt' must not be empty", "prompt")
+        if max_tokens is not None and len(v) >= max_tokens:
+            raise ProtocolError(f"the prompt has {len(v)} tokens; this model's maximum context length "
+                                f"is {max_tokens} tokens", "prompt")
         if all(_is_int(i) for i in v):
             if any(i < 0 for i in v):
                 raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
             return tuple(v)
-        if all(isinstance(s, str) for s in v) or all(isinstance(s, list) for s in v):
-            if len(v) > 1:
-                raise ProtocolError(
-                    "several prompts in one request are not supported; send one request per prompt",
-                    "prompt")
-            return parse_prompt(v[0])
     raise ProtocolError("'prompt' must be a string, a list of token ids or a list with one string",
                         "prompt")
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any],
+                             max_prompt_tokens: int | None = None) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise ProtocolError("'prompt' is required", "prompt")
-    prompt = parse_prompt(body["prompt"])
+    prompt = parse_prompt(body["prompt"], max_prompt_tokens)
     model, stream, include_usage, priority = _common(body)
     if get_bool(body, "echo", False):
         raise ProtocolError("'echo' is not supported", "echo")
@@ -289,7 +292,7 @@ def parse_messages(v: Any) -> tuple[dict[str, str], ...]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ProtocolError(
-                        f"messages[{i}].content: only 'text' parts are supported, got {kind!r}",
+                        f"messages[{i}].content: only 'text' parts are supported, got {preview(kind)}",
                         "messages")
                 text = part.get("text")
                 if not isinstance(text, str):
