@@ -27,11 +27,13 @@ from vt.sampling import SamplingParams
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
-from vt.step_probe import run_probe
+from vt.step_probe import ProbeUnavailable, run_probe
 from vt.tokenizer import DetokStream, Tokenizer
 
 log = logging.getLogger("vt.engine")
-MAX_CONSECUTIVE_FAILURES = 3  # failed probe steps in a row after which the device counts as unusable
+# Failures in a row (each a failed step whose probe step failed too, or could not run) after
+# which the device counts as unusable; any step that runs resets the count.
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 class PromptTooLongError(ValueError):
@@ -385,6 +387,7 @@ class AsyncEngine:
                     log.exception("step %d failed", h.step_id)
                     self._step_failed(step_rids, exc)
                     continue
+                self._consecutive_failures = 0
                 # Device time of this step: from when it could start (its launch, or the previous
                 # step's completion if that came later) to its completion.
                 start = out.launch_time if self._last_done is None else max(out.launch_time,
@@ -421,6 +424,15 @@ class AsyncEngine:
         """Run a probe step alone: if it runs, the failure belonged to the failed step's requests
         and does not count; if it fails MAX_CONSECUTIVE_FAILURES times in a row, the engine is dead."""
         err = await run_probe(self.runner, self.scheduler.pool)
+        if isinstance(err, ProbeUnavailable):
+            # Every block is held (their owners' next steps will tell): count the failure
+            # unexplained and go on, so those owners can run and free blocks.
+            err = self._suspect
+            self._suspect = None
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                self._mark_dead(err)
+            return
         if err is None:
             log.warning("a step failed (%s: %s) but a probe step ran: the device is fine",
                         type(self._suspect).__name__, self._suspect)

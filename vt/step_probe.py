@@ -18,12 +18,16 @@ PROBE_REQUEST_ID = "\x00vt-probe"  # no client can send this id: it is never a u
 _PROBE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+class ProbeUnavailable(RuntimeError):
+    """No KV block was free to run the probe on: the failure stays unexplained."""
+
+
 async def run_probe(runner: Any, pool: Any) -> BaseException | None:
     """Run the probe step on `runner` with one block borrowed from `pool`; None if it ran, else
-    what it raised. No other step may be in flight."""
+    what it raised (ProbeUnavailable if no block was free). No other step may be in flight."""
     blocks = pool.allocate(1)
     if blocks is None:
-        return RuntimeError("no free KV block to run a probe step")
+        return ProbeUnavailable("no free KV block to run a probe step on")
     seq = ScheduledSeq(request_id=PROBE_REQUEST_ID, start_pos=0, num_tokens=1, token_ids=(0,),
                        from_last=False, block_ids=tuple(blocks), sample=True, output_index=0,
                        new=NewRequestData(prompt_token_ids=(0,), output_token_ids=(), params=_PROBE_PARAMS))

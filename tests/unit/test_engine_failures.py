@@ -16,11 +16,13 @@ from typing import Any
 import orjson
 import pytest
 
+from vt import engine as engine_mod
 from vt.config import EngineConfig
 from vt.engine import AsyncEngine
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.model.make_model import make_model
+from vt.step_probe import ProbeUnavailable
 
 TIMEOUT_S = 30.0  # any single request taking longer than this is a hang
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
@@ -293,3 +295,21 @@ async def test_top_p_rounding_to_zero_keeps_the_most_likely_token(app: OpenAIApp
         assert status == 200
         assert got["choices"][0]["text"] == want["choices"][0]["text"], top_p
         assert got["choices"][0]["finish_reason"] == "length"
+
+
+async def test_unexplained_failures_count_until_a_step_runs(app: OpenAIApp, monkeypatch) -> None:
+    # no block free for a probe: the failure stays unexplained and counts, but any step that
+    # runs afterwards clears the count, and nothing waits on the probe meanwhile
+    async def unavailable(runner: Any, pool: Any) -> BaseException:
+        return ProbeUnavailable("no free KV block to run a probe step on")
+
+    monkeypatch.setattr(engine_mod, "run_probe", unavailable)
+    PoisonFault(app.engine.runner)
+    poison = {"prompt": "poison", "max_tokens": 2, "seed": PoisonFault.MARK}
+    for _ in range(4):
+        assert (await _call(app, _post("/v1/completions", poison)))[0] == 500
+        assert (await _call(app, _completion(max_tokens=2)))[0] == 200
+    assert (await _call(app, _get("/health")))[0] == 200
+    for _ in range(3):
+        await _call(app, _post("/v1/completions", poison))
+    assert (await _call(app, _get("/health")))[0] == 503
