@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for a request head to arrive (default 10; VT_HTTP_HEADER_TIMEOUT)")
     s.add_argument("--http-keepalive-timeout", type=float, default=None,
                    help="idle keep-alive seconds (default 30; VT_HTTP_KEEPALIVE_TIMEOUT)")
+    s.add_argument("--http-write-timeout", type=float, default=None,
+                   help="seconds a client may leave its response unread before the connection is "
+                        "closed and its request aborted (default 30; VT_HTTP_WRITE_TIMEOUT)")
     s.add_argument("--max-connections", type=int, default=None,
                    help="open connections beyond which new ones get 503 (default 1024; VT_MAX_CONNECTIONS)")
     s.add_argument("--max-body-bytes", type=int, default=None,
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
             limits = limits_from_env(header_timeout_s=args.http_header_timeout,
                                      keepalive_timeout_s=args.http_keepalive_timeout,
+                                     write_timeout_s=args.http_write_timeout,
                                      max_connections=args.max_connections,
                                      max_body_bytes=args.max_body_bytes)
             name, aliases = _model_names(args.served_model_name, args.model, cfg.model)

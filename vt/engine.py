@@ -19,18 +19,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vt.admission import AdmissionLimits, check_params, check_token_ids
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels import get_backend
-from vt.runner import ModelRunner, StepHandle, StepOutput
+from vt.runner import MAX_BANNED, ModelRunner, StepHandle, StepOutput
 from vt.sampling import SamplingParams
 from vt.sched.kv_events import AllBlocksCleared, KVEventLog
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
+from vt.step_probe import ProbeUnavailable, run_probe
 from vt.tokenizer import DetokStream, Tokenizer
 
 log = logging.getLogger("vt.engine")
-MAX_CONSECUTIVE_FAILURES = 3  # failed steps in a row after which the device counts as unusable
+# Failures in a row (each a failed step whose probe step failed too, or could not run) after
+# which the device counts as unusable; any step that runs resets the count.
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 class PromptTooLongError(ValueError):
@@ -195,6 +199,10 @@ class AsyncEngine:
         self._posted: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.limits = AdmissionLimits(vocab_size=self.model_config.vocab_size, max_model_len=mml,
+                                      max_waiting=config.max_waiting, max_banned=MAX_BANNED,
+                                      eos_token_ids=self.eos_token_ids)
+        self._suspect: BaseException | None = None  # a step failed: a probe step tells whose fault
         self.kv_publisher = None
         if config.kv_events_config is not None and config.kv_events_config.enabled:
             from vt.kv_publisher import ZmqEventPublisher
@@ -238,7 +246,16 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and (self._task is None or not self._task.done())
+        return self.health_problem is None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve, or None while it can."""
+        if self._dead is not None:
+            return f"the engine stopped after an error: {self._dead}"
+        if self._task is not None and self._task.done():
+            return "the engine's scheduler loop has stopped"
+        return None
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -250,10 +267,8 @@ class AsyncEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        check_token_ids(prompt_token_ids, self.limits, "prompt")
+        params = check_params(params, self.limits)
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens, but the model's maximum context length "
                                      f"is {self.max_model_len} tokens")
@@ -299,6 +314,13 @@ class AsyncEngine:
             return
         self._finish(state, RequestStatus.FINISHED_ABORTED, "abort", None, "")
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stop (or resume) computing tokens for a request whose reader has fallen behind; it
+        keeps its KV blocks. Outputs of steps already in flight still arrive."""
+        self.scheduler.set_paused(request_id, paused)
+        if not paused:
+            self._wakeup.set()
+
     def stats(self) -> EngineStats:
         s = self._stats
         s.num_requests_running = self.scheduler.num_running
@@ -341,7 +363,10 @@ class AsyncEngine:
             if self.kv_publisher is not None:
                 self._publish_kv_events()
             launched = False
-            if len(inflight) < self.depth and self._dead is None:
+            if self._suspect is not None and not inflight and self._dead is None:
+                await self._probe()
+                continue
+            if len(inflight) < self.depth and self._dead is None and self._suspect is None:
                 batch = self.scheduler.schedule()
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
@@ -414,10 +439,39 @@ class AsyncEngine:
             self.kv_publisher.publish(pool.events.take(), pool.cached_blocks)
 
     def _step_failed(self, rids: list[str], exc: BaseException) -> None:
-        self._consecutive_failures += 1
+        # The step's requests fail; whether the engine is at fault is for a probe step to say
+        # once nothing else is in flight (new steps wait for it).
         self._fail_requests(rids, exc)
+        if self._suspect is None:
+            self._suspect = exc
+
+    async def _probe(self) -> None:
+        """Run a probe step alone: if it runs, the failure belonged to the failed step's requests
+        and does not count; if it fails MAX_CONSECUTIVE_FAILURES times in a row, the engine is dead."""
+        err = await run_probe(self.runner, self.scheduler.pool)
+        if isinstance(err, ProbeUnavailable):
+            # Every block is held (their owners' next steps will tell): count the failure
+            # unexplained and go on, so those owners can run and free blocks.
+            err = self._suspect
+            self._suspect = None
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                self._mark_dead(err)
+            return
+        if err is None:
+            log.warning("a step failed (%s: %s) but a probe step ran: the device is fine",
+                        type(self._suspect).__name__, self._suspect)
+            self._suspect = None
+            self._consecutive_failures = 0
+            self._wakeup.set()
+            return
+        self._consecutive_failures += 1
+        log.error("probe step %d failed: %s: %s", self._consecutive_failures, type(err).__name__, err)
         if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-            self._mark_dead(exc)
+            self._suspect = None
+            self._mark_dead(err)
+        else:
+            await asyncio.sleep(0.05 * self._consecutive_failures)
 
     def _fail_requests(self, rids: list[str], exc: BaseException) -> None:
         msg = f"the engine step failed: {type(exc).__name__}: {exc}"

@@ -6,9 +6,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vt.preview import preview
+
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, on every backend
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Every stop string is searched for after every token, on the event loop: bound the work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
 
 
 class SamplingParamsError(ValueError):
@@ -26,16 +31,16 @@ def _is_int(v: Any) -> bool:
 
 def _check_int(name: str, v: Any) -> int:
     if not _is_int(v):
-        raise SamplingParamsError(name, f"{name} must be an integer, got {v!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {preview(v)}")
     return v
 
 
 def _check_float(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise SamplingParamsError(name, f"{name} must be a number, got {v!r}")
+        raise SamplingParamsError(name, f"{name} must be a number, got {preview(v)}")
     f = float(v)
     if not math.isfinite(f):
-        raise SamplingParamsError(name, f"{name} must be finite, got {v!r}")
+        raise SamplingParamsError(name, f"{name} must be finite, got {preview(v)}")
     return f
 
 
@@ -99,8 +104,9 @@ class SamplingParams:
         set_("stop_token_ids", self._normalize_stop_ids(self.stop_token_ids))
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise SamplingParamsError(name, f"{name} must be a boolean, got {preview(value)}")
 
         mn = _check_int("min_tokens", self.min_tokens)
         if mn < 0:
@@ -132,12 +138,20 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)):
-            raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+            raise SamplingParamsError(
+                "stop", f"stop must be a string or a list of strings, got {preview(stop)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str):
-                raise SamplingParamsError("stop", f"stop strings must be strings, got {s!r}")
+                raise SamplingParamsError("stop", f"stop strings must be strings, got {preview(s)}")
             if not s:
                 raise SamplingParamsError("stop", "stop strings must not be empty")
+        total = sum(len(s) for s in stop)
+        if total > MAX_STOP_CHARS:
+            raise SamplingParamsError(
+                "stop", f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, got {total}")
         return tuple(stop)
 
     @staticmethod
@@ -146,11 +160,11 @@ class SamplingParams:
             return ()
         if not isinstance(ids, (list, tuple)):
             raise SamplingParamsError(
-                "stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
+                "stop_token_ids", f"stop_token_ids must be a list of integers, got {preview(ids)}")
         for i in ids:
             if not _is_int(i) or i < 0:
                 raise SamplingParamsError(
-                    "stop_token_ids", f"stop_token_ids must be integers >= 0, got {i!r}")
+                    "stop_token_ids", f"stop_token_ids must be integers >= 0, got {preview(i)}")
         return tuple(ids)
 
     @property

@@ -29,7 +29,7 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     engine = AsyncEngine(cfg)
     await engine.start()
     app = OpenAIApp(engine, served_model_name, api_key=api_key, options=options)
-    server = HttpServer(app.handle, limits or HttpLimits())
+    server = HttpServer(app.handle, limits or HttpLimits(), precheck=app.precheck)
     app.server = server
     await server.start(host, port)
     # What start-up built lives as long as the server: out of the collector's sight, full
@@ -63,6 +63,7 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
 _LIMIT_ENV = {
     "VT_HTTP_HEADER_TIMEOUT": ("header_timeout_s", float),
     "VT_HTTP_KEEPALIVE_TIMEOUT": ("keepalive_timeout_s", float),
+    "VT_HTTP_WRITE_TIMEOUT": ("write_timeout_s", float),
     "VT_MAX_CONNECTIONS": ("max_connections", int),
     "VT_MAX_BODY_BYTES": ("max_body_bytes", int),
 }

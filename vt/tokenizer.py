@@ -18,6 +18,7 @@ __all__ = ["ChatTemplateError", "DetokStream", "Tokenizer"]
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6  # prompt tail the detokenizer decodes with, for context-dependent decoders
+_GIL_FREE_CHARS = 4096  # longer texts (token lists) are en/decoded by calls that release the GIL
 
 
 def _read_json(path: Path) -> dict:
@@ -79,6 +80,8 @@ class Tokenizer:
             i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._templates = TemplateCache()
+        self._encode_batch = getattr(tok, "encode_batch_fast", None) or getattr(tok, "encode_batch", None)
+        self._decode_batch = getattr(tok, "decode_batch", None)
         try:  # tokenizers >= 0.21 streams decodes in Rust; older ones use DetokStream's own window
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers.decoders import DecodeStream
@@ -109,7 +112,12 @@ class Tokenizer:
 
     # ---- ids <-> text --------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) > _GIL_FREE_CHARS and self._encode_batch is not None:
+            # encode holds the GIL throughout; encode_batch lets other threads run meanwhile
+            enc = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids = list(enc.ids)
         # tokenizer.json's post-processor may already add BOS; add it only where it did not
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
@@ -117,6 +125,9 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _GIL_FREE_CHARS and self._decode_batch is not None:
+            # as for encode: the batch call lets other threads run while it works
+            return self._decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property

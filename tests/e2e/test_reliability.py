@@ -365,11 +365,11 @@ def test_oversized_body_is_413(server: ServerHandle) -> None:
     body = orjson.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1)})
     assert_error(raw_request(server, post_bytes("/v1/completions", body)), 413)
     # declared size alone is enough: no body needs to be sent
-    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {10**12}\r\n\r\n".encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {10**12}\r\n\r\n".encode()
     assert_error(raw_request(server, head), 413)
     # chunked bodies are counted as they arrive
     chunk = b"x" * 16384
-    data = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    data = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     data += (b"%x\r\n%b\r\n" % (len(chunk), chunk)) * 8 + b"0\r\n\r\n"
     assert_error(raw_request(server, data), 413)
     assert_serving(server)

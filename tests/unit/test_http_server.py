@@ -46,8 +46,8 @@ class Served:
     def __init__(self) -> None:
         self.servers: list[HttpServer] = []
 
-    async def __call__(self, handler=echo, **limits) -> HttpServer:
-        server = HttpServer(handler, HttpLimits(**limits))
+    async def __call__(self, handler=echo, precheck=None, **limits) -> HttpServer:
+        server = HttpServer(handler, HttpLimits(**limits), precheck=precheck)
         await server.start("127.0.0.1", 0)
         self.servers.append(server)
         return server
@@ -724,8 +724,207 @@ async def test_close_gives_up_after_timeout(serve):
     assert await expect_eof(reader) == b""
 
 
+# -- hostile clients ------------------------------------------------------------------------------
+
+
+async def small_window_client(server: HttpServer, request: bytes):
+    """A client whose receive buffer is pinned small, so an unread response backs up quickly."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=65536)
+    writer.write(request)
+    return reader, writer
+
+
+class Producer:
+    """Pushes chunks into a PushBody from its own task, as the engine does, and honours the
+    server's pause requests the way the engine does: a paused request computes nothing."""
+
+    def __init__(self, total: int, chunk: bytes = b"p" * 32768) -> None:
+        self.total, self.chunk = total, chunk
+        self.sent = 0
+        self.pauses: list[bool] = []
+        self.running = asyncio.Event()
+        self.running.set()
+        self.aborted = False
+        self.body = PushBody(on_abort=self.abort, on_pause=self.pause)
+        self.task = asyncio.ensure_future(self.run())
+
+    def pause(self, paused: bool) -> None:
+        self.pauses.append(paused)
+        (self.running.clear if paused else self.running.set)()
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    async def run(self) -> None:
+        while self.sent < self.total and not self.aborted:
+            await self.running.wait()
+            await asyncio.sleep(0)
+            self.body.send(self.chunk)
+            self.sent += 1
+        self.body.end()
+
+
+async def test_push_body_producer_is_paused_while_the_reader_is_behind(serve):
+    producers: list[Producer] = []
+    max_buffer = 0
+
+    async def handler(req: HttpRequest) -> StreamResponse:
+        producers.append(Producer(total=400))  # 12.5 MiB, more than the socket buffers hold
+        return StreamResponse(200, producers[0].body, content_type="application/octet-stream")
+
+    server = await serve(handler)
+    reader, writer = await small_window_client(server, get())
+    await asyncio.sleep(0.05)
+    for _ in range(100):  # the client reads nothing for a second
+        for conn in server._connections:
+            max_buffer = max(max_buffer, conn._transport.get_write_buffer_size())
+        await asyncio.sleep(0.01)
+    p = producers[0]
+    assert p.pauses and p.pauses[0] is True and p.sent < p.total
+    assert max_buffer <= 256 * 1024 + 2 * len(p.chunk)
+    status, _, body = await read_response(reader)  # reading resumes it, and every byte arrives
+    assert status == 200 and len(body) == p.total * len(p.chunk)
+    assert p.pauses[-1] is False and not p.aborted
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["push", "full"])
+async def test_a_client_that_never_reads_is_cut_after_the_write_timeout(serve, kind):
+    producers: list[Producer] = []
+    done = asyncio.Event()
+
+    async def handler(req: HttpRequest) -> Response | StreamResponse:
+        if req.path == "/x":
+            return Response(200)
+        if kind == "full":
+            try:
+                return Response(200, b"f" * (16 << 20))  # more than every buffer on the way
+            finally:
+                done.set()
+        producers.append(Producer(total=10**9))
+        return StreamResponse(200, producers[0].body)
+
+    server = await serve(handler, write_timeout_s=0.3)
+    reader, writer = await small_window_client(server, get())
+    assert await eventually(lambda: server.num_connections == 0, timeout=10)
+    assert await eventually(lambda: server.in_flight == 0)
+    if kind == "push":
+        assert producers[0].aborted  # the request behind the stream is aborted
+    writer.close()
+    # the slot is free for others
+    reader, writer = await connect(server)
+    writer.write(get("/x"))
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+
+async def test_a_slow_but_steady_reader_is_not_cut(serve):
+    async def handler(req: HttpRequest) -> Response:
+        return Response(200, b"s" * (1 << 20))
+
+    server = await serve(handler, write_timeout_s=0.4)
+    reader, writer = await small_window_client(server, get())
+    status, headers = await read_head(reader)
+    got = 0
+    while got < int(headers["content-length"]):
+        data = await asyncio.wait_for(reader.read(16384), TIMEOUT)
+        assert data, "cut off mid-body"
+        got += len(data)
+        await asyncio.sleep(0.02)  # well below the timeout between reads, far slower than the server
+    assert status == 200 and got == 1 << 20
+    writer.close()
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"GET / HTTP/1.1\r\n\r\n", 400),                                # no Host
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),          # two
+    (b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", 400),
+    (b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 505),
+    (b"GET /\r\n\r\n", 400),                                         # HTTP/0.9 style
+    (b"GET / HTTP/0.9\r\n\r\n", 400),
+])
+async def test_request_lines_and_hosts_rfc9112_refuses(serve, request_bytes, status):
+    server = await serve()
+    reader, writer = await connect(server)
+    writer.write(request_bytes)
+    got, headers, _ = await read_response(reader)
+    assert got == status and headers["connection"] == "close"
+    writer.close()
+
+
+async def test_http10_needs_no_host(serve):
+    server = await serve()
+    reader, writer = await connect(server)
+    writer.write(b"GET / HTTP/1.0\r\n\r\n")
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+
+async def test_100_continue_only_after_the_precheck_passes(serve):
+    def precheck(req: HttpRequest) -> Response | None:
+        if req.path == "/locked":
+            return Response(401, b'{"error": "key"}', headers=[("www-authenticate", "Bearer")])
+        return None
+
+    server = await serve(precheck=precheck)
+    reader, writer = await connect(server)
+    writer.write(b"POST /locked HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    status, headers, body = await read_response(reader)  # the final answer, no 100 before it
+    assert status == 401 and headers["www-authenticate"] == "Bearer" and body == b'{"error": "key"}'
+    assert await expect_closed(reader) == b""
+    reader, writer = await connect(server)
+    writer.write(b"POST /open HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"body")
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["body"] == "body"
+    writer.close()
+
+
+async def test_a_request_followed_by_a_half_close_is_answered(serve):
+    async def handler(req: HttpRequest) -> Response:
+        await asyncio.sleep(0.6)  # long enough for interim answers to go out meanwhile
+        return Response(200, b"answer")
+
+    server = await serve(handler)
+    reader, writer = await connect(server)
+    writer.write(get() + get("/second"))
+    writer.write_eof()
+    data = await expect_eof(reader)
+    # interim 102s, then both answers in order, then the close
+    finals = [line for line in data.split(b"\r\n") if line.startswith(b"HTTP/1.1 ") and b" 102 " not in line]
+    assert finals == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK"]
+    assert data.endswith(b"answer") and data.count(b"answer") == 2
+    writer.close()
+
+
+async def test_a_client_that_left_entirely_is_noticed_while_its_request_runs(serve):
+    started = asyncio.Event()
+    requests: list[HttpRequest] = []
+
+    async def handler(req: HttpRequest) -> Response:
+        requests.append(req)
+        started.set()
+        await req.disconnected.wait()  # a long generation that only a disconnect ends
+        return Response(499)
+
+    server = await serve(handler)
+    reader, writer = await connect(server)
+    writer.write(get())
+    await asyncio.wait_for(started.wait(), TIMEOUT)
+    writer.close()  # FIN, exactly as a half-close looks: only a write tells them apart
+    await asyncio.wait_for(requests[0].disconnected.wait(), TIMEOUT)
+    assert await eventually(lambda: server.in_flight == 0)
+
+
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="max_body_bytes"):
         HttpLimits(max_body_bytes=0)
     with pytest.raises(ValueError, match="header_timeout_s"):
         HttpLimits(header_timeout_s=-1)
+    with pytest.raises(ValueError, match="write_timeout_s"):
+        HttpLimits(write_timeout_s=0)

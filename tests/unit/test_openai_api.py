@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
+from vt.admission import AdmissionLimits
 from vt.engine import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
@@ -121,10 +122,12 @@ class FakeEngine:
     gate: asyncio.Event | None = None
     healthy: bool = True
     max_model_len: int = 128
+    max_waiting: int = 1024
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
     calls: list[Call] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    paused: dict[str, bool] = field(default_factory=dict)
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0):
         if self.error is not None:
@@ -145,6 +148,18 @@ class FakeEngine:
         stream = FakeStream(request_id, outs, self.gate)
         self.streams.append(stream)
         return stream
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len,
+                               max_waiting=self.max_waiting, max_banned=16, eos_token_ids=frozenset((2,)))
+
+    @property
+    def health_problem(self) -> str | None:
+        return None if self.healthy else "the engine stopped after an error: test"
+
+    def set_paused(self, request_id, paused) -> None:
+        self.paused[request_id] = paused
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -615,7 +630,8 @@ async def test_health(engine):
     app = OpenAIApp(engine, MODEL)
     assert (await call(app, "GET", "/health")).status == 200
     engine.healthy = False
-    assert (await call(app, "GET", "/health")).status == 503
+    resp = await call(app, "GET", "/health")
+    assert resp.status == 503 and "stopped after an error: test" in jbody(resp)["error"]["message"]
 
 
 async def test_version(app):
@@ -699,3 +715,71 @@ async def test_stream_tokens_carry_the_same_fields_with_and_without_usage(app):
                 keys = ["id", "object", "created", "model", "choices"] + (["usage"] if usage else [])
                 assert list(e) == keys
                 assert e["choices"][0]["stop_reason"] is None and e["choices"][0]["logprobs"] is None
+
+
+# --- hostile requests ----------------------------------------------------------------------------
+
+async def test_non_ascii_api_key_is_compared_as_the_bytes_the_client_sends(engine):
+    key = "clé-секрет"
+    app = OpenAIApp(engine, MODEL, api_key=key)
+    # the server hands header values over as latin-1 text of the raw bytes (UTF-8 here)
+    sent = f"Bearer {key}".encode().decode("latin-1")
+    assert (await call(app, "POST", "/v1/completions", COMPLETION, {"authorization": sent})).status == 200
+    assert (await call(app, "POST", "/v1/completions", COMPLETION,
+                       {"authorization": sent[:-1]})).status == 401
+
+
+async def test_precheck_decides_on_the_head_alone(engine):
+    app = OpenAIApp(engine, MODEL, api_key="k")
+    head = make_request("POST", "/v1/completions", b"", {"authorization": "Bearer k"})
+    assert app.precheck(head) is None
+    assert app.precheck(make_request("POST", "/v1/completions", b"")).status == 401
+    assert app.precheck(make_request("POST", "/nope", b"")).status == 404
+    wrong_method = make_request("GET", "/v1/completions", None, {"authorization": "Bearer k"})
+    assert app.precheck(wrong_method).status == 405
+
+
+async def test_n_beyond_the_waiting_queue_is_400_not_503(engine):
+    engine.max_waiting = 4
+    app = OpenAIApp(engine, MODEL)
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "n": 5})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "n"
+    assert not engine.calls
+    assert (await call(app, "POST", "/v1/completions", {**COMPLETION, "n": 4})).status == 200
+
+
+@pytest.mark.parametrize("field", ["prompt", "max_tokens", "temperature", "seed", "user", "stop",
+                                   "model", "n"])
+async def test_deep_nesting_is_400_with_a_short_message(app, field):
+    deep = b"[" * 1000 + b"]" * 1000
+    body = b'{"prompt": "x", "%s": %s}' % (field.encode(), deep) if field != "prompt" else \
+        b'{"prompt": %s}' % deep
+    resp = await call(app, "POST", "/v1/completions", body)
+    err = jbody(resp)["error"]
+    assert resp.status == 400 and err["param"] == field and len(err["message"]) < 300
+
+
+async def test_large_non_streamed_answer_is_chunked_json_built_as_written(engine):
+    engine.pieces = tuple(f"t{i}" for i in range(200))
+    app = OpenAIApp(engine, MODEL)
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 16, "logprobs": True,
+            "top_logprobs": 20}
+    resp = await call(app, "POST", "/v1/chat/completions", body)
+    assert isinstance(resp, StreamResponse) and resp.content_type == "application/json"
+    chunks = [c async for c in resp.chunks]
+    assert len(chunks) > 10 and max(len(c) for c in chunks) < 256 * 1024
+    out = orjson.loads(b"".join(chunks))
+    assert len(out["choices"]) == 16 and out["usage"]["completion_tokens"] == 16 * 200
+    content = out["choices"][3]["logprobs"]["content"]
+    assert len(content) == 200 and all(len(e["top_logprobs"]) == 20 for e in content)
+    assert all(e["token"] == "t" and e["top_logprobs"][1]["token"] == "u" for e in content)
+    # a small answer still goes out whole, with a Content-Length
+    small = await call(app, "POST", "/v1/chat/completions", {**body, "n": 1, "logprobs": False,
+                                                             "top_logprobs": None})
+    assert isinstance(small, Response) and jbody(small)["choices"][0]["message"]["content"]
+
+
+async def test_too_many_stop_strings_are_400_before_any_work(app, engine):
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "stop": ["s"] * 400_000})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "stop"
+    assert not engine.calls

@@ -211,6 +211,40 @@ def test_max_tokens_never_overshoots_with_pending_tokens():
     assert s.pool.num_free == s.cfg.num_blocks
 
 
+def test_paused_request_keeps_its_blocks_and_gets_no_tokens():
+    s = Scheduler(_cfg())
+    s.add(_req("a", 3, max_tokens=20))
+    s.add(_req("b", 3, max_tokens=20))
+    s.schedule()
+    s.append_token("a", 1)
+    s.append_token("b", 1)
+    blocks = list(s.get("a").block_ids)
+    s.set_paused("a", True)
+    for k in range(3):  # b decodes on; a sits still, blocks and all
+        b = s.schedule()
+        assert _ids(b) == ["b"]
+        s.append_token("b", 2 + k)
+    assert s.get("a").block_ids == blocks and len(s.get("a").output_token_ids) == 1
+    s.set_paused("a", False)
+    assert "a" in _ids(s.schedule())
+    s.set_paused("nobody", True)  # unknown ids are a no-op
+    s.check_invariants()
+
+
+def test_paused_waiting_request_is_not_admitted_and_does_not_preempt():
+    s = Scheduler(_cfg(max_num_seqs=1, policy="priority"))
+    s.add(_req("low", 3, arrival=0, priority=5, max_tokens=20))
+    _decode_all(s, s.schedule())
+    s.add(_req("urgent", 3, arrival=1, priority=0))
+    s.set_paused("urgent", True)
+    b = s.schedule()
+    assert _ids(b) == ["low"] and not b.released  # no preemption for a request that would not run
+    s.set_paused("urgent", False)
+    b = s.schedule()
+    assert b.released == ("low",) and "urgent" in _ids(b)
+    s.check_invariants()
+
+
 # ---- policies -----------------------------------------------------------------------------------
 def test_fcfs_admits_in_arrival_order_not_add_order():
     s = Scheduler(_cfg(max_num_seqs=2))

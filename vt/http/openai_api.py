@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import time
@@ -19,10 +20,13 @@ from typing import Any
 
 import orjson
 
+from vt.admission import check_params
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
 from vt.http.errors import HttpError, error_body
+from vt.http.json_chunks import LazyList, json_chunks
+from vt.http.prompt_prep import PromptPreparer
 from vt.http.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -37,6 +41,7 @@ from vt.http.protocol import (
     parse_messages,
 )
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
+from vt.preview import preview
 from vt.sampling import SamplingParamsError
 
 log = logging.getLogger("vt.http")
@@ -44,6 +49,7 @@ log = logging.getLogger("vt.http")
 # chat logprobs must be JSON numbers; -inf (a masked token) becomes vLLM's floor value
 LOGPROB_FLOOR = -9999.0
 DONE = b"data: [DONE]\n\n"
+INLINE_BODY_BYTES = 1 << 20  # larger answers go out chunked, built as they are written
 Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
 
 
@@ -97,7 +103,7 @@ def _engine_error(e: Exception) -> HttpError | None:
     if "EngineDeadError" in names:
         return HttpError(503, str(e) or "the engine has stopped", type="service_unavailable")
     if isinstance(e, ValueError):
-        return HttpError(400, str(e))
+        return HttpError(400, str(e), param=getattr(e, "param", None))
     return None
 
 
@@ -214,6 +220,12 @@ class _SseBody:
             await self.aclose()
             raise
 
+    def pause_producing(self) -> None:
+        _set_paused(self._streams, True)
+
+    def resume_producing(self) -> None:
+        _set_paused(self._streams, False)
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -222,6 +234,32 @@ class _SseBody:
             await self._gen.aclose()
         finally:
             await _close_all(self._streams)
+
+
+def _set_paused(streams: list[Any], paused: bool) -> None:
+    """Hold (or release) the engine requests behind a response whose reader fell behind."""
+    for s in streams:
+        s.engine.set_paused(s.request_id, paused)
+
+
+async def _body_rest(head: list[bytes], rest: Any) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
+    for chunk in rest:  # each piece is built when the previous one is written
+        yield chunk
+
+
+def _json_body(obj: Any) -> Response | StreamResponse:
+    """A JSON answer: whole with a Content-Length when small, else chunked and built lazily."""
+    chunks = json_chunks(obj)
+    head: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        head.append(chunk)
+        size += len(chunk)
+        if size > INLINE_BODY_BYTES:
+            return StreamResponse(200, _body_rest(head, chunks), content_type="application/json")
+    return Response(200, b"".join(head))
 
 
 class OpenAIApp:
@@ -235,7 +273,10 @@ class OpenAIApp:
         self._model_names = frozenset((served_model_name, *self.options.model_aliases))
         self.server: Any = None
         self.draining = False  # set by begin_drain() on SIGTERM
-        self._api_key = api_key.encode() if api_key else None
+        # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
+        self._api_key = api_key.encode("utf-8") if api_key else None
+        self._prompts = PromptPreparer(engine.tokenizer, engine.max_model_len)
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         # path -> (needs auth, {method: handler})
         self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
             "/v1/completions": (True, {"POST": self._completions}),
@@ -259,27 +300,40 @@ class OpenAIApp:
             return await self._dispatch(req)
         except HttpError as e:
             return Response(e.status, e.body(), headers=e.headers)
-        except ProtocolError as e:
+        except (ProtocolError, SamplingParamsError) as e:
             return Response(400, error_body(str(e), param=e.param))
         except Exception:
             log.exception("unhandled error for %s %s", req.method, req.path)
             return Response(500, error_body("internal server error", type="internal_server_error"))
 
+    def precheck(self, req: HttpRequest) -> Response | None:
+        """What a request's head alone decides (route, method, API key, content type): an error
+        Response, or None when the body is worth receiving (before `100 Continue`)."""
+        try:
+            self._route(req)
+        except HttpError as e:
+            return Response(e.status, e.body(), headers=e.headers)
+        return None
+
     async def _dispatch(self, req: HttpRequest) -> Response | StreamResponse:
+        return await self._route(req)(req)
+
+    def _route(self, req: HttpRequest) -> Handler:
         route = self._routes.get(req.path)
         if route is None:
-            raise HttpError(404, f"no route for {req.path}", type="not_found_error", code="not_found")
+            raise HttpError(404, f"no route for {preview(req.path)}", type="not_found_error",
+                            code="not_found")
         needs_auth, methods = route
         if needs_auth:
             self._check_auth(req)
         handler = methods.get(req.method)
         if handler is None:
             allow = ", ".join(methods)
-            raise HttpError(405, f"method {req.method} not allowed on {req.path}; use {allow}",
+            raise HttpError(405, f"method {preview(req.method)} not allowed on {req.path}; use {allow}",
                             code="method_not_allowed", headers=[("allow", allow)])
         if req.method == "POST":
             self._check_content_type(req)
-        return await handler(req)
+        return handler
 
     # --- request checks ---
 
@@ -288,7 +342,8 @@ class OpenAIApp:
             return
         auth = req.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+        token_bytes = token.strip(" \t").encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, self._api_key):
             raise HttpError(401, "invalid or missing API key", type="authentication_error",
                             code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
 
@@ -299,12 +354,12 @@ class OpenAIApp:
             return
         media = ctype.split(";", 1)[0].strip().lower()
         if media != "application/json":
-            raise HttpError(415, f"content-type must be application/json, got {ctype!r}",
+            raise HttpError(415, f"content-type must be application/json, got {preview(ctype)}",
                             code="unsupported_media_type")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self._model_names:
-            raise HttpError(404, f"the model '{model}' does not exist; this server serves "
+            raise HttpError(404, f"the model {preview(model)} does not exist; this server serves "
                                  f"'{self.served_model_name}'", type="not_found_error",
                             param="model", code="model_not_found")
 
@@ -318,23 +373,20 @@ class OpenAIApp:
 
     # --- prompts ---
 
-    def _chat_prompt_ids(self, messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
-                         opts: ChatTemplateOptions) -> list[int]:
+    async def _chat_prompt_ids(self, messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+                               opts: ChatTemplateOptions) -> list[int]:
         if opts.chat_template is not None and not self.options.trust_request_chat_template:
             raise ProtocolError("this server does not run chat templates sent in requests; start it with "
                                 "--trust-request-chat-template to allow them", "chat_template")
-        tok = self.engine.tokenizer
-        try:
-            rendered = tok.apply_chat_template(
-                list(messages), add_generation_prompt=opts.add_generation_prompt,
-                continue_final_message=opts.continue_final_message,
-                tools=list(opts.tools) if opts.tools is not None else None,
-                chat_template=opts.chat_template or self.options.chat_template, variables=opts.variables)
-        except ValueError as e:  # ChatTemplateError and friends
-            raise ProtocolError(f"chat template failed: {e}", "messages") from None
+        rendered = await self._prompts.render_chat(
+            list(messages), add_generation_prompt=opts.add_generation_prompt,
+            continue_final_message=opts.continue_final_message,
+            tools=list(opts.tools) if opts.tools is not None else None,
+            chat_template=opts.chat_template or self.options.chat_template, variables=opts.variables)
         if isinstance(rendered, str):
             # the template already wrote the special tokens (BOS, role markers)
-            return list(tok.encode(rendered, add_special_tokens=opts.add_special_tokens))
+            return await self._prompts.encode(rendered, "messages",
+                                              add_special_tokens=opts.add_special_tokens)
         return list(rendered)
 
     def _with_defaults(self, r: Any, body: dict[str, Any], logprobs_param: str) -> Any:
@@ -349,10 +401,10 @@ class OpenAIApp:
                                 f"returns at most {cap} (--max-logprobs)", logprobs_param)
         return dataclasses.replace(r, params=params)
 
-    def _completion_prompt_ids(self, prompt: str | tuple[int, ...],
-                               add_special_tokens: bool = True) -> list[int]:
+    async def _completion_prompt_ids(self, prompt: str | tuple[int, ...],
+                                     add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            ids = await self._prompts.encode(prompt, "prompt", add_special_tokens=add_special_tokens)
         else:
             self._check_token_ids(prompt, "prompt")
             ids = list(prompt)
@@ -420,33 +472,44 @@ class OpenAIApp:
 
     # --- logprob shaping ---
 
-    def _token_text(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[Any], choice: _Choice) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+    def _completion_logprobs(self, lps: list[Any], choice: _Choice, lazy: bool = False) -> dict[str, Any]:
+        """Completions logprobs; `lazy` leaves the top alternatives (the bulk) to be built as the
+        body is written (a LazyList)."""
+        tokens, token_lps, offsets = [], [], []
         for lp in lps:
             text = self._token_text(lp.token_id)
             tokens.append(text)
             token_lps.append(max(lp.logprob, LOGPROB_FLOOR))
-            top = {self._token_text(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
-            top.setdefault(text, max(lp.logprob, LOGPROB_FLOOR))  # the sampled token is always listed
-            tops.append(top)
             offsets.append(choice.text_offset)
             choice.text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+        def top(i: int) -> dict[str, float]:
+            lp = lps[i]
+            alts = {self._token_text(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
+            alts.setdefault(tokens[i], max(lp.logprob, LOGPROB_FLOOR))  # the sampled token is always listed
+            return alts
+
+        tops = LazyList(len(lps), top)
+        return {"tokens": tokens, "token_logprobs": token_lps,
+                "top_logprobs": tops if lazy else tops.materialize(), "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[Any], lazy: bool = False) -> dict[str, Any]:
+        """Chat logprobs; `lazy` builds each token's entry as the body is written."""
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token_id)
             return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}
 
-        content = []
-        for lp in lps:
+        def content(i: int) -> dict[str, Any]:
+            lp = lps[i]
             e = entry(lp.token_id, lp.logprob)
             e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
-            content.append(e)
-        return {"content": content}
+            return e
+
+        entries = LazyList(len(lps), content)
+        return {"content": entries if lazy else entries.materialize()}
 
     def _launch(self, prefix: str, prompts: list[list[int]], r: Any) -> tuple[str, int, list, list]:
         """Start the engine requests of one API call, n per prompt, choice index prompt * n + sample
@@ -464,10 +527,11 @@ class OpenAIApp:
 
     async def _completions(self, req: HttpRequest) -> Response | StreamResponse:
         body = parse_json_object(req.body)
-        r = self._with_defaults(parse_completion_request(body), body, "logprobs")
+        r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), body, "logprobs")
         self._check_model(r.model)
+        check_params(r.params, self.engine.limits)  # before the prompt work, which can be large
         add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
-        prompts = [self._completion_prompt_ids(p, add_special) for p in r.prompts]
+        prompts = [await self._completion_prompt_ids(p, add_special) for p in r.prompts]
         num_prompt = sum(map(len, prompts))
         base_id, created, streams, choices = self._launch("cmpl", prompts, r)
         if r.stream:
@@ -475,11 +539,11 @@ class OpenAIApp:
                 streams, self._completion_events(base_id, created, r, num_prompt, choices))
         await self._collect(req, streams, choices)
         want_lp = r.params.logprobs is not None
-        return _json({
+        return _json_body({
             "id": base_id, "object": "text_completion", "created": created, "model": self.served_model_name,
             "choices": [{
                 "index": c.index, "text": "".join(c.text),
-                "logprobs": self._completion_logprobs(c.logprobs, c) if want_lp else None,
+                "logprobs": self._completion_logprobs(c.logprobs, c, lazy=True) if want_lp else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices],
             "usage": self._usage(num_prompt, choices),
@@ -534,7 +598,8 @@ class OpenAIApp:
         r = self._with_defaults(parse_chat_request(body), body, "top_logprobs")
         opts = parse_template_options(body)
         self._check_model(r.model)
-        prompt_ids = self._chat_prompt_ids(r.messages, opts)
+        check_params(r.params, self.engine.limits)  # before the template and tokenizer run
+        prompt_ids = await self._chat_prompt_ids(r.messages, opts)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
         # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
@@ -547,12 +612,12 @@ class OpenAIApp:
             return self._stream_response(
                 streams, self._chat_events(base_id, created, r, len(prompt_ids), choices, role, echoed))
         await self._collect(req, streams, choices)
-        return _json({
+        return _json_body({
             "id": base_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
             "choices": [{
                 "index": c.index,
                 "message": {"role": role, "content": echoed + "".join(c.text)},
-                "logprobs": self._chat_logprobs(c.logprobs) if r.want_logprobs else None,
+                "logprobs": self._chat_logprobs(c.logprobs, lazy=True) if r.want_logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices],
             "usage": self._usage(len(prompt_ids), choices),
@@ -605,7 +670,8 @@ class OpenAIApp:
         response (no task wakes per token). Several choices are merged by a generator."""
         if len(streams) == 1:
             stream = streams[0]
-            body = PushBody(on_abort=lambda: self.engine.abort(stream.request_id))
+            body = PushBody(on_abort=lambda: self.engine.abort(stream.request_id),
+                            on_pause=lambda paused: self.engine.set_paused(stream.request_id, paused))
             for data in events.first:
                 body.send(data)
 
@@ -643,31 +709,37 @@ class OpenAIApp:
         self._check_model(get_str(body, "model"))
         if body.get("messages") is not None:
             messages = parse_messages(body["messages"])
-            ids = self._chat_prompt_ids(messages, parse_template_options(body))
+            ids = await self._chat_prompt_ids(messages, parse_template_options(body))
         elif body.get("prompt") is not None:
             prompt = get_str(body, "prompt")
             add_special = get_bool(body, "add_special_tokens", True)
-            ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special))
+            ids = await self._prompts.encode(prompt, "prompt", add_special_tokens=add_special, bounded=False)
         else:
             raise ProtocolError("either 'prompt' or 'messages' is required", "prompt")
-        return _json({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
+        return _json_body({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
 
     async def _detokenize(self, req: HttpRequest) -> Response:
         body = parse_json_object(req.body)
         self._check_model(get_str(body, "model"))
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in tokens):
+        if not isinstance(tokens, list):
             raise ProtocolError("'tokens' must be a list of integers", "tokens")
-        self._check_token_ids(tokens, "tokens")
-        return _json({"prompt": self.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+        def work() -> str:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise ProtocolError("'tokens' must be a list of integers", "tokens")
+            self._check_token_ids(tokens, "tokens")
+            return self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+
+        return _json_body({"prompt": await self._prompts.run(work, len(tokens))})
 
     async def _health(self, req: HttpRequest) -> Response:
+        problem = self.engine.health_problem
         if self.draining:
             return Response(503, error_body("the server is shutting down", type="service_unavailable"))
-        if self.engine.healthy:
+        if problem is None:
             return Response(200, b"")
-        return Response(503, error_body("the engine is not running", type="service_unavailable"))
+        return Response(503, error_body(problem, type="service_unavailable"))
 
     async def _load(self, req: HttpRequest) -> Response:
         # vLLM's /load (--enable-server-load-tracking): requests the engine holds, waiting or running

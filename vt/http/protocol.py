@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from vt.preview import preview
 from vt.sampling import SamplingParams, SamplingParamsError
 
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's cap for the legacy completions endpoint
@@ -73,7 +74,7 @@ def get_int(body: dict[str, Any], name: str, default: int | None = None) -> int 
     if v is None:
         return default
     if not _is_int(v):
-        raise ProtocolError(f"'{name}' must be an integer, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be an integer, got {preview(v)}", name)
     return v
 
 
@@ -82,7 +83,7 @@ def get_float(body: dict[str, Any], name: str, default: float | None = None) -> 
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"'{name}' must be a number, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a number, got {preview(v)}", name)
     return float(v)
 
 
@@ -91,7 +92,7 @@ def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ProtocolError(f"'{name}' must be a boolean, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a boolean, got {preview(v)}", name)
     return v
 
 
@@ -100,7 +101,7 @@ def get_str(body: dict[str, Any], name: str) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str):
-        raise ProtocolError(f"'{name}' must be a string, got {v!r}", name)
+        raise ProtocolError(f"'{name}' must be a string, got {preview(v)}", name)
     return v
 
 
@@ -227,12 +228,14 @@ def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
     return model, stream, include_usage, priority
 
 
-def _parse_one_prompt(v: Any) -> str | tuple[int, ...] | None:
-    """A string or a list of token ids; None for anything else."""
+def _parse_one_prompt(v: Any, max_tokens: int | None) -> str | tuple[int, ...] | None:
+    """A string or a list of token ids; None for anything else. A token list of `max_tokens` or
+    more ids is refused before it is read."""
     if isinstance(v, str):
-        if not v:
-            raise ProtocolError("'prompt' must not be empty", "prompt")
         return v
+    if isinstance(v, list) and v and _is_int(v[0]) and max_tokens is not None and len(v) >= max_tokens:
+        raise ProtocolError(f"the prompt has {len(v)} tokens; this model's maximum context length "
+                            f"is {max_tokens} tokens", "prompt")
     if isinstance(v, list) and v and all(_is_int(i) for i in v):
         if any(i < 0 for i in v):
             raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
@@ -240,29 +243,32 @@ def _parse_one_prompt(v: Any) -> str | tuple[int, ...] | None:
     return None
 
 
-def parse_prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
+def parse_prompts(v: Any, max_tokens: int | None = None) -> tuple[str | tuple[int, ...], ...]:
     """A completions prompt: a string or a list of token ids, or a batch of them (a list of
     strings or a list of token-id lists)."""
     if isinstance(v, list) and not v:
         raise ProtocolError("'prompt' must not be empty", "prompt")
-    one = _parse_one_prompt(v)
+    if isinstance(v, str) and not v:
+        raise ProtocolError("'prompt' must not be empty", "prompt")
+    one = _parse_one_prompt(v, max_tokens)
     if one is not None:
         return (one,)
     if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v)):
         if len(v) > MAX_PROMPTS:
             raise ProtocolError(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request",
                                 "prompt")
-        batch = tuple(_parse_one_prompt(p) for p in v)
+        batch = tuple(_parse_one_prompt(p, max_tokens) for p in v)
         if None not in batch:
             return batch
     raise ProtocolError("'prompt' must be a string, a list of token ids, or a list of strings or of "
                         "token-id lists", "prompt")
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any],
+                             max_prompt_tokens: int | None = None) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise ProtocolError("'prompt' is required", "prompt")
-    prompts = parse_prompts(body["prompt"])
+    prompts = parse_prompts(body["prompt"], max_prompt_tokens)
     model, stream, include_usage, priority = _common(body)
     if get_bool(body, "echo", False):
         raise ProtocolError("'echo' is not supported", "echo")
@@ -300,7 +306,7 @@ def parse_messages(v: Any) -> tuple[dict[str, Any], ...]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ProtocolError(
-                        f"messages[{i}].content: only 'text' parts are supported, got {kind!r}",
+                        f"messages[{i}].content: only 'text' parts are supported, got {preview(kind)}",
                         "messages")
                 text = part.get("text")
                 if not isinstance(text, str):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,9 +24,22 @@ import httptools
 
 from vt.http.errors import HttpError, error_body
 
+try:  # the kernel's send-queue size (Linux: SIOCOUTQ == TIOCOUTQ)
+    import fcntl
+    import termios
+
+    _TIOCOUTQ: int | None = termios.TIOCOUTQ if sys.platform == "linux" else None
+except ImportError:  # pragma: no cover - not on POSIX
+    fcntl = None  # type: ignore[assignment]
+    _TIOCOUTQ = None
+
 logger = logging.getLogger("vt.http")
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# An interim answer to a client that half-closed while its request is being worked on: a client
+# that left entirely answers it with a reset, which ends the request (1xx only exists in 1.1).
+_PROCESSING = b"HTTP/1.1 102 Processing\r\n\r\n"
+_EOF_PROBE_S = 0.25
 # Framing is ours: a handler may not override how the body is delimited.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 # Write-buffer marks: a streaming writer waits above HIGH, so a slow reader costs at most this much.
@@ -32,6 +47,7 @@ _WRITE_HIGH = 256 * 1024
 _WRITE_LOW = 64 * 1024
 _LINGER_S = 2.0  # how long a rejected client may keep sending before we close for good
 _READ_SLACK = 256 * 1024  # the most one socket read hands us (asyncio: 256 KiB, uvloop: 64 KiB)
+_WRITE_SLICE = 64 * 1024  # a full body goes out in slices, each written once the buffer drains
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,7 @@ class HttpLimits:
     keepalive_timeout_s: float = 30.0  # idle connections are closed after this
     max_connections: int = 1024  # beyond: 503 and close
     max_pipelined: int = 64  # parsed-but-unanswered requests before reading pauses
+    write_timeout_s: float = 30.0  # output waiting this long with none of it taken by the peer: cut
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,6 +72,7 @@ class HttpLimits:
             "keepalive_timeout_s",
             "max_connections",
             "max_pipelined",
+            "write_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -85,7 +103,12 @@ class Response:
 @dataclass
 class StreamResponse:
     """A chunked response: each bytes object the iterator yields (or the PushBody is sent) is
-    written as one chunk."""
+    written as one chunk.
+
+    A body whose source produces on its own (a PushBody, or an iterator over queued outputs) may
+    have `pause_producing()` / `resume_producing()`: the server calls them when the client falls
+    more than the write buffer's high mark behind and when it catches up, so a slow reader costs
+    that much memory and no more."""
 
     status: int
     chunks: AsyncIterator[bytes] | PushBody
@@ -102,8 +125,10 @@ class PushBody:
     wait in a list. If the connection goes first the server calls aclose(), which runs on_abort.
     """
 
-    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_abort: Callable[[], None] | None = None,
+                 on_pause: Callable[[bool], None] | None = None) -> None:
         self._on_abort = on_abort
+        self._on_pause = on_pause  # called with True when the reader falls behind, False when caught up
         self._emit: Callable[[bytes], None] | None = None
         self._waiting: list[bytes] = []
         self._ended = False
@@ -137,6 +162,14 @@ class PushBody:
             await self._done
         return self._ok
 
+    def pause_producing(self) -> None:
+        if self._on_pause is not None and not self._ended:
+            self._on_pause(True)
+
+    def resume_producing(self) -> None:
+        if self._on_pause is not None and not self._ended:
+            self._on_pause(False)
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -147,6 +180,8 @@ class PushBody:
 
 
 Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
+# Called with a request's head (empty body) before `100 Continue` is sent: a Response refuses it.
+Precheck = Callable[[HttpRequest], "Response | None"]
 
 
 @dataclass
@@ -165,10 +200,23 @@ class _Rejection:
 
     status: int
     message: str
+    response: Response | None = None  # the precheck's own answer, sent as it is
 
 
 class _Reject(Exception):
     """Raised inside parser callbacks to stop parsing; the status is kept on the connection."""
+
+
+def _kernel_unsent(transport: asyncio.BaseTransport | None) -> int:
+    """Bytes in the socket's kernel send queue (sent but unacknowledged, or unsent); 0 where the
+    OS does not say."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or _TIOCOUTQ is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 def _reason(status: int) -> str:
@@ -222,6 +270,14 @@ class _Connection(asyncio.Protocol):
         self._parse_stopped = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future | None = None
+        self._write_timer: asyncio.TimerHandle | None = None  # the write-progress watchdog
+        self._written = 0  # bytes handed to the transport
+        self._delivered_mark = 0  # bytes the peer had taken at the watchdog's last look
+        self._progress_at = 0.0  # when the peer last took any
+        self._producer: object | None = None  # the stream body being written, for pause hooks
+        self._peer_eof = False  # the client half-closed: answer what arrived, then close
+        self._eof_timer: asyncio.TimerHandle | None = None
+        self._current_http10 = False
         self._closed = False
         self._lingering = False
 
@@ -267,7 +323,7 @@ class _Connection(asyncio.Protocol):
                 return  # bytes after a `Connection: close` request: ignored
             rej = self._rejection or _Rejection(400, "Malformed HTTP request")
             logger.debug("rejecting request from %s: %s (%r)", self._client, rej.message, exc)
-            self._fail(rej.status, rej.message)
+            self._fail(rej.status, rej.message, rej.response)
             return
         # httptools buffers a header line until it ends, out of our callbacks' sight: bound the raw
         # bytes a head may take. A chunk in which the head began may also hold the previous
@@ -278,13 +334,37 @@ class _Connection(asyncio.Protocol):
                 self._fail(431, "Request header fields too large")
 
     def eof_received(self) -> bool:
-        # A client closing its side means it is gone (HTTP clients do not half-close to wait).
-        return False
+        # RFC 9112 9.6: a client may half-close once its request is sent and still read the answer.
+        # A cut-off request, nothing to answer, a stream already under way (a client does not
+        # half-close in the middle of one) or HTTP/1.0 (no interim answers to probe with): the
+        # client is gone.
+        waiting = [item for item in self._queue if isinstance(item, _Pending)]
+        if (self._in_message or (not waiting and self._worker is None) or self._producer is not None
+                or self._current_http10 or any(item.http10 for item in waiting)):
+            return False
+        self._peer_eof = True
+        self._stop_parsing()
+        self._eof_timer = self._loop.call_later(_EOF_PROBE_S, self._probe_peer)
+        return True
+
+    def _probe_peer(self) -> None:
+        """While a handler works on a half-closed connection's request, send an interim 102: a
+        client that closed entirely answers with a reset and the request is aborted."""
+        self._eof_timer = None
+        if self._closed:
+            return
+        if self._in_handler:
+            self._write(_PROCESSING)
+        self._eof_timer = self._loop.call_later(_EOF_PROBE_S, self._probe_peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._parse_stopped = True
         self._cancel_timer()
+        for timer in (self._write_timer, self._eof_timer):
+            if timer is not None:
+                timer.cancel()
+        self._write_timer = self._eof_timer = None
         self._server._connections.discard(self)
         if self._current is not None:
             self._current.disconnected.set()
@@ -299,10 +379,50 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        pause = getattr(self._producer, "pause_producing", None)
+        if pause is not None:
+            pause()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        resume = getattr(self._producer, "resume_producing", None)
+        if resume is not None:
+            resume()
         self._wake_writer()
+
+    def _delivered(self) -> int:
+        """Bytes the peer's TCP has taken: written, less what waits in our buffer and, where the
+        OS tells (Linux SIOCOUTQ), in the kernel's send queue. Its rise is the reader's progress."""
+        transport = self._transport
+        pending = transport.get_write_buffer_size() if transport is not None else 0
+        return self._written - pending - _kernel_unsent(transport)
+
+    def _watch_writes(self) -> None:
+        """Armed by a write: while output waits, the peer must take some of it at least every
+        write_timeout_s, or the connection is cut (abort: close() would wait for the buffer to
+        drain). It looks four times a timeout, so a cut comes within 1.25 timeouts of the last
+        progress."""
+        self._write_timer = self._loop.call_later(self._limits.write_timeout_s / 4, self._on_write_timeout)
+
+    def _on_write_timeout(self) -> None:
+        self._write_timer = None
+        transport = self._transport
+        if self._closed or transport is None:
+            return
+        delivered = self._delivered()
+        if delivered >= self._written:
+            return  # all out: the next write re-arms
+        if delivered > self._delivered_mark:
+            self._delivered_mark = delivered  # slow, but reading
+            self._progress_at = self._loop.time()
+        if self._loop.time() - self._progress_at < self._limits.write_timeout_s:
+            self._watch_writes()
+            return
+        logger.info("closing connection from %s: nothing read for %.0f s", self._client,
+                    self._limits.write_timeout_s)
+        self._parse_stopped = True
+        self._cancel_timer()
+        transport.abort()
 
     # -- httptools callbacks ----------------------------------------------------------------------
 
@@ -327,11 +447,18 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        version = self._parser.get_http_version()
+        if version == "0.9":
+            self._reject(400, "HTTP/0.9 requests are not supported")
+        if version not in ("1.0", "1.1"):
+            self._reject(505, f"HTTP version {version} is not supported; use HTTP/1.1")
         headers: dict[str, str] = {}
+        num_hosts = 0
         for raw_name, raw_value in self._raw_headers:
             name = raw_name.decode("latin-1").lower()
-            value = raw_value.decode("latin-1").strip()
+            value = raw_value.decode("latin-1").strip(" \t")  # OWS only: 0xA0 may end a UTF-8 value
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            num_hosts += name == "host"
         te = headers.get("transfer-encoding")
         if te is not None and te.lower() != "chunked":
             self._reject(501, f"Unsupported Transfer-Encoding: {te}")
@@ -341,6 +468,9 @@ class _Connection(asyncio.Protocol):
                 self._reject(400, "Invalid Content-Length")
             if int(cl) > self._limits.max_body_bytes:
                 self._reject(413, f"Request body larger than {self._limits.max_body_bytes} bytes")
+        # RFC 9112 3.2: exactly one Host in HTTP/1.1, at most one in 1.0.
+        if num_hosts > 1 or (num_hosts == 0 and version == "1.1"):
+            self._reject(400, "an HTTP/1.1 request needs exactly one Host header")
         try:
             url = httptools.parse_url(bytes(self._url))
         except httptools.HttpParserInvalidURLError:
@@ -348,11 +478,17 @@ class _Connection(asyncio.Protocol):
         path = unquote_to_bytes(url.path).decode("utf-8", "replace") if url.path else "/"
         query = url.query.decode("latin-1") if url.query else ""
         method = self._parser.get_method().decode("ascii", "replace")
-        http10 = self._parser.get_http_version() == "1.0"
+        http10 = version == "1.0"
         request = HttpRequest(method, path, query, headers, b"", self._client)
         self._pending = _Pending(request, self._parser.should_keep_alive(), http10, method == "HEAD")
         self._set_timer("body", self._limits.body_timeout_s)
         if headers.get("expect", "").lower() == "100-continue" and not http10:
+            # Only a request that would be served is invited to send its body.
+            precheck = self._server.precheck
+            refusal = precheck(request) if precheck is not None else None
+            if refusal is not None:
+                self._rejection = _Rejection(refusal.status, "", refusal)
+                raise _Reject("refused before 100 Continue")
             if self._worker is None:
                 self._write(_CONTINUE)
             else:
@@ -392,10 +528,10 @@ class _Connection(asyncio.Protocol):
         self._rejection = _Rejection(status, message)
         raise _Reject(message)
 
-    def _fail(self, status: int, message: str) -> None:
-        """Answer earlier requests, then this error, then close."""
+    def _fail(self, status: int, message: str, response: Response | None = None) -> None:
+        """Answer earlier requests, then this error (or `response`), then close."""
         self._stop_parsing()
-        self._queue.append(_Rejection(status, message))
+        self._queue.append(_Rejection(status, message, response))
         self._ensure_worker()
 
     def _stop_parsing(self) -> None:
@@ -448,9 +584,16 @@ class _Connection(asyncio.Protocol):
                     if self._in_message:
                         self._rearm_message_timer()
                 if isinstance(item, _Rejection):
-                    body = error_body(item.message)
-                    self._write(self._render(item.status, body, "application/json", [], False, False))
-                    self._server._count(item.status)
+                    resp = item.response or Response(item.status, error_body(item.message))
+                    try:
+                        payload = self._render(resp.status, resp.body, resp.content_type, resp.headers,
+                                               False, False)
+                    except (ValueError, TypeError):
+                        logger.exception("the precheck returned an invalid response")
+                        resp = self._internal_error()
+                        payload = self._render(resp.status, resp.body, resp.content_type, [], False, False)
+                    self._write(payload)
+                    self._server._count(resp.status)
                     self._close_lingering()
                     return
                 keep = await self._serve(item)
@@ -479,6 +622,7 @@ class _Connection(asyncio.Protocol):
         req = item.request
         srv = self._server
         self._current = req
+        self._current_http10 = item.http10
         srv._in_flight += 1
         try:
             self._in_handler = True
@@ -497,7 +641,8 @@ class _Connection(asyncio.Protocol):
                 if isinstance(resp, StreamResponse):
                     await _aclose(resp.chunks)
                 return False
-            keep = item.keep_alive and not srv._closing
+            # After a half-close, the last request queued gets the close.
+            keep = item.keep_alive and not srv._closing and not (self._peer_eof and not self._queue)
             if isinstance(resp, StreamResponse):
                 return await self._send_stream(resp, item, keep)
             try:
@@ -507,10 +652,11 @@ class _Connection(asyncio.Protocol):
                 resp = self._internal_error()
                 payload = self._render_full(resp, item, keep)
             srv._count(resp.status)
-            self._write(payload)
+            await self._write_all(payload)
             return keep
         finally:
             self._current = None
+            self._current_http10 = False
             srv._in_flight_done()
 
     async def _send_stream(self, resp: StreamResponse, item: _Pending, keep: bool) -> bool:
@@ -533,6 +679,10 @@ class _Connection(asyncio.Protocol):
         self._server._count(resp.status)
         self._write(head)
         completed = False
+        self._producer = chunks
+        pause = getattr(chunks, "pause_producing", None)
+        if self._write_paused and pause is not None:
+            pause()  # the reader is behind already: hold the source from the start
         try:
             if item.is_head:
                 completed = True
@@ -564,12 +714,26 @@ class _Connection(asyncio.Protocol):
         except Exception:
             logger.exception("response stream failed")
         finally:
+            self._producer = None
             await _aclose(chunks)
         if not completed:
             # Headers are out: the only way left to signal failure is an unterminated body.
             self._close_transport()
             return False
         return keep
+
+    async def _write_all(self, data: bytes) -> None:
+        """Write a full body in slices, each once the buffer is below its high mark, so a client
+        that reads slowly holds at most one high mark of copies beyond the body itself."""
+        if len(data) <= _WRITE_HIGH:
+            self._write(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(data), _WRITE_SLICE):
+            await self._drain()
+            if self._closed:
+                return
+            self._write(view[start:start + _WRITE_SLICE])
 
     async def _drain(self) -> None:
         while self._write_paused and not self._closed:
@@ -643,6 +807,11 @@ class _Connection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+            self._written += len(data)
+            if self._write_timer is None:
+                self._delivered_mark = self._delivered()
+                self._progress_at = self._loop.time()
+                self._watch_writes()
 
     def _close_lingering(self) -> None:
         """Send FIN but keep reading (and dropping) for a while.
@@ -686,13 +855,15 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Serves `handler` over HTTP/1.1 on one listening socket."""
 
-    def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits()) -> None:
+    def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits(),
+                 precheck: Precheck | None = None) -> None:
         if not callable(handler):
             raise TypeError("handler must be an async callable taking an HttpRequest")
         if not isinstance(limits, HttpLimits):
             raise TypeError("limits must be an HttpLimits")
         self.handler = handler
         self.limits = limits
+        self.precheck = precheck
         self.responses_total: dict[int, int] = {}
         self._in_flight = 0
         self._connections: set[_Connection] = set()

@@ -38,6 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0        # tokens whose KV is written or scheduled to be
     num_pending: int = 0                # sampled in a step in flight, not yet appended
+    paused: bool = False                # its reader is behind: keep its blocks, schedule nothing
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0          # prefix-cache hit length at the last admission

@@ -129,6 +129,13 @@ class Scheduler:
         self._free_blocks(req)
         req.status = status
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """A paused request keeps its place and its blocks but is given no tokens to compute
+        (steps already in flight still deliver theirs). Unknown ids are a no-op."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.paused = paused
+
     def append_token(self, request_id: str, token_id: int) -> Request | None:
         """A sampled token arrived. None (and nothing changes) if the request is gone."""
         req = self._requests.get(request_id)
@@ -191,8 +198,8 @@ class Scheduler:
         pos = 0
         while pos < len(self._waiting) and budget > 0 and len(self._running) < cfg.max_num_seqs:
             req = self._waiting[pos]
-            if req.num_pending > 0 or req.request_id in preempted_now:
-                pos += 1  # history incomplete (or just preempted): later ones may go first
+            if req.num_pending > 0 or req.paused or req.request_id in preempted_now:
+                pos += 1  # history incomplete (or paused, or just preempted): later ones may go first
                 continue
             tokens = req.all_token_ids
             hit_blocks, cached = self._find_prefix(tokens)
@@ -234,7 +241,7 @@ class Scheduler:
         for req in list(self._waiting):
             if not self._running or tokens_promised >= cfg.max_num_batched_tokens:
                 return
-            if req.num_pending > 0:
+            if req.num_pending > 0 or req.paused:
                 continue
             if req.priority >= self._running[-1].priority:
                 return  # the queue is sorted: no later request is better either
@@ -266,7 +273,7 @@ class Scheduler:
 
     def _num_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens this request can compute now (0: not now)."""
-        if req.num_output_planned >= req.max_tokens:
+        if req.paused or req.num_output_planned >= req.max_tokens:
             return 0  # its last token is in flight; it finishes when that arrives
         known = req.num_tokens
         # Inputs must be known tokens, or the one token the previous step samples.
