@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# JSON whitespace between tokens when the request does not choose: one optional line break and
-# up to 32 spaces or tabs, enough for pretty-printed JSON. Unbounded whitespace (vLLM's default)
-# lets a model that hesitates emit blank lines until max_tokens; this bound cannot loop.
-DEFAULT_JSON_WHITESPACE = r"(?:\r?\n)?[ \t]{0,32}"
+# JSON whitespace between tokens when the request does not choose: one space, or a line break and
+# up to 20 spaces of indentation, so compact and pretty-printed JSON both fit. Unbounded whitespace
+# (vLLM's default) lets a model that hesitates emit blank lines until max_tokens; this cannot loop.
+DEFAULT_JSON_WHITESPACE = r"(?:[ ]|\n[ ]{0,20})?"
 
 
 @dataclass(frozen=True)
