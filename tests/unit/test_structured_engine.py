@@ -196,7 +196,8 @@ def test_invalid_grammars_fail_to_compile_with_the_reason(model_dir: Path) -> No
         errors = []
         try:
             for spec in (GrammarSpec("json", '{"type": "nope"}'), GrammarSpec("regex", "a(b"),
-                         GrammarSpec("grammar", "start: undefined_rule"), GrammarSpec("json", "[1")):
+                         GrammarSpec("grammar", "start: undefined_rule"), GrammarSpec("json", "[1"),
+                         GrammarSpec("regex", r"[^\s\S]")):
                 with pytest.raises(GrammarError) as e:
                     await engine.compile_grammar(spec)
                 errors.append(str(e.value))
@@ -208,7 +209,7 @@ def test_invalid_grammars_fail_to_compile_with_the_reason(model_dir: Path) -> No
 
     errors = asyncio.run(go())
     assert "nope" in errors[0] and "unclosed group" in errors[1] and "undefined_rule" in errors[2]
-    assert "not valid JSON" in errors[3]
+    assert "not valid JSON" in errors[3] and "admits no output" in errors[4]
 
 
 def test_the_grammar_applies_from_the_gate_token_on(model_dir: Path) -> None:

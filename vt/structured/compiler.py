@@ -193,6 +193,10 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip())
+        probe = matcher.deep_copy()  # a grammar whose language is empty fails at its first mask
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError("the grammar admits no output at all")
         return CompiledGrammar(matcher)
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
