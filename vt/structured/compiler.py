@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -27,6 +28,7 @@ import orjson
 from vt.structured.guide import Guide
 from vt.structured.spec import GrammarSpec, StructuredOutput
 
+log = logging.getLogger("vt.structured")
 CACHE_SIZE = 512          # compiled grammars (and compile errors) kept
 COMPILE_THREADS = 2
 # llguidance's executor for a step's masks: its threads work while the event loop waits
@@ -163,12 +165,17 @@ class GrammarCompiler:
 
         text = self._tokenizer_json()
         try:
-            return llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos or None)
-        except ValueError:
-            # More tokens than the model has rows: masks cover them all and are cut to the model's.
-            tokenizer = llguidance.LLTokenizer(text, eos_token=self._eos or None)
-            self._vocab_size = tokenizer.vocab_size
-            return tokenizer
+            try:
+                return llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos or None)
+            except ValueError:
+                # More tokens than the model has rows: masks cover them all, cut to the model's.
+                tokenizer = llguidance.LLTokenizer(text, eos_token=self._eos or None)
+                self._vocab_size = tokenizer.vocab_size
+                return tokenizer
+        except Exception:
+            log.warning("llguidance cannot read this tokenizer; structured outputs are unavailable",
+                        exc_info=True)
+            raise
 
     def _future(self, spec: GrammarSpec) -> concurrent.futures.Future:
         with self._lock:
@@ -185,7 +192,11 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         import llguidance
 
-        tokenizer = self._tokenizer_future().result()  # queued first: running or done
+        try:
+            tokenizer = self._tokenizer_future().result()  # queued first: running or done
+        except Exception as e:  # the model's tokenizer, not the request, is at fault: say so
+            raise GrammarError(f"structured outputs are not available for this model's tokenizer "
+                               f"({type(e).__name__}: {e})") from None
         grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
