@@ -5,6 +5,13 @@ append them, detokenize, check stop conditions and push deltas. A request that f
 is already in step N+1: that extra token arrives for a finished request and is dropped by the
 scheduler (append_token returns None), never streamed, never counted. Depth 1 waits for each step
 before scheduling the next; both produce the same tokens for greedy and seeded requests.
+
+Structured outputs keep that promise: a guided request's mask for step N+1 needs the token step
+N samples. When N+1 is launched before N's tokens are here, the runner runs N+1's forward and
+holds its sampler back; as soon as N is processed (its tokens advanced every guide), the engine
+hands N+1 its masks and the sampler runs. The masks are the ones depth 1 would compute, the
+forward still overlaps the host's work, and the other rows of the batch sample in the same
+launch (docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vt.admission import AdmissionLimits, check_params, check_token_ids
 from vt.config import EngineConfig, ModelConfig
@@ -29,7 +37,13 @@ from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
 from vt.step_probe import ProbeUnavailable, run_probe
+from vt.structured.compiler import CompiledGrammar, GrammarCompiler
+from vt.structured.guide import Guide
+from vt.structured.spec import GrammarSpec
 from vt.tokenizer import DetokStream, Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("vt.engine")
 # Failures in a row (each a failed step whose probe step failed too, or could not run) after
@@ -79,6 +93,7 @@ class _State:
     detok: DetokStream
     stream: RequestStream
     stop_ids: frozenset[int]
+    guide: Guide | None = None  # structured outputs: the grammar state the next mask comes from
     finished: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -203,6 +218,8 @@ class AsyncEngine:
                                       max_waiting=config.max_waiting, max_banned=MAX_BANNED,
                                       eos_token_ids=self.eos_token_ids)
         self._suspect: BaseException | None = None  # a step failed: a probe step tells whose fault
+        self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
+                                        self.eos_token_ids)
         self.kv_publisher = None
         if config.kv_events_config is not None and config.kv_events_config.enabled:
             from vt.kv_publisher import ZmqEventPublisher
@@ -217,6 +234,7 @@ class AsyncEngine:
         if self._task is None:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="vt-scheduler")
+            self.grammars.warm_up()
 
     async def stop(self, timeout: float = 0.0) -> None:
         """Let unfinished requests run for up to `timeout` seconds, abort the rest, stop the loop."""
@@ -233,6 +251,7 @@ class AsyncEngine:
                 pass
             self._task = None
         for h in self._inflight:
+            self.runner.sample_deferred(h, self._fill_masks)
             try:
                 await h.wait()
             except Exception:
@@ -240,6 +259,7 @@ class AsyncEngine:
         self._inflight.clear()
         self._step_rids.clear()
         self.runner.shutdown()
+        self.grammars.shutdown()
         if self.kv_publisher is not None:
             self._publish_kv_events()
             self.kv_publisher.shutdown()
@@ -258,6 +278,12 @@ class AsyncEngine:
         return None
 
     # ---- requests -----------------------------------------------------------------------------
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile a structured-output grammar off the event loop (cached by spec); raises
+        GrammarError (a ValueError) for one that does not compile. Requests whose params carry
+        it then start without compiling on the loop."""
+        return await self.grammars.compile(spec)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> RequestStream:
         if self._dead is not None:
@@ -279,6 +305,7 @@ class AsyncEngine:
                 f"{n} prompt tokens and max_tokens {max_tokens} ({n + max_tokens} in all)")
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        guide = self.grammars.guide(params.structured) if params.structured is not None else None
         if params.seed is None:  # drawn from --seed's stream: a restarted server samples the same
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         self._seq += 1
@@ -289,7 +316,7 @@ class AsyncEngine:
         stop_ids = frozenset(params.stop_token_ids) | eos
         detok = DetokStream(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                             params.stop, params.include_stop_str_in_output)
-        state = _State(req, detok, RequestStream(self, request_id), stop_ids)
+        state = _State(req, detok, RequestStream(self, request_id), stop_ids, guide)
         self._states[request_id] = state
         self._stats.prompt_tokens_total += n
         self._wakeup.set()
@@ -332,6 +359,19 @@ class AsyncEngine:
     def _eos_for(self, request_id: str) -> tuple[int, ...]:
         state = self._states.get(request_id)
         return tuple(sorted(state.stop_ids)) if state is not None else ()
+
+    def _fill_masks(self, request_ids: Sequence[str], out: np.ndarray) -> None:
+        """The runner's MaskFiller: each request's allowed tokens now (all tokens for a request
+        that has finished meanwhile: its token is dropped anyway)."""
+        states = self._states
+        self.grammars.fill_masks([s.guide if (s := states.get(rid)) is not None else None
+                                  for rid in request_ids], out)
+
+    def _sample_deferred(self) -> None:
+        """The step after the one just processed may wait for its masks: they can be computed
+        now, since every guide has seen the processed step's tokens."""
+        if self._inflight and self._inflight[0].awaiting_masks:
+            self.runner.sample_deferred(self._inflight[0], self._fill_masks)
 
     # ---- the scheduler coroutine -------------------------------------------------------------
     async def _run(self) -> None:
@@ -381,7 +421,7 @@ class AsyncEngine:
                         # waiting: the gap async scheduling exists to close.
                         self._stats.gpu_idle_seconds_total += max(0.0, now - self._last_done)
                     try:
-                        h = self.runner.execute(batch, self._eos_for)
+                        h = self.runner.execute(batch, self._eos_for, self._fill_masks)
                     except Exception as exc:  # staging failed: fail this batch's requests
                         log.exception("step launch failed")
                         # On CUDA the launch runs the device work inline: its errors count too.
@@ -405,6 +445,7 @@ class AsyncEngine:
                 except Exception as exc:
                     log.exception("step %d failed", h.step_id)
                     self._step_failed(step_rids, exc)
+                    self._sample_deferred()
                     continue
                 self._consecutive_failures = 0
                 # Device time of this step: from when it could start (its launch, or the previous
@@ -417,6 +458,7 @@ class AsyncEngine:
                 if self.record_events:
                     self.events.append(StepEvent("done", h.step_id))
                 self._process(out)
+                self._sample_deferred()
                 self._busy_after_done = self.scheduler.has_unfinished()
                 continue
             if not launched:
@@ -506,7 +548,11 @@ class AsyncEngine:
             num_out = len(req.output_token_ids)
             detok = state.detok
             text = detok.push(token_id)
-            if token_id in state.stop_ids and num_out > params.min_tokens:
+            guide = state.guide
+            if guide is not None and (rejected := guide.advance(token_id)) is not None:
+                finish(state, RequestStatus.FINISHED_ABORTED, "error", None, text, (token_id,), lp,
+                       error=f"structured output failed: {rejected}")
+            elif token_id in state.stop_ids and num_out > params.min_tokens:
                 reason = None if token_id in self.eos_token_ids and token_id not in \
                     params.stop_token_ids else token_id
                 finish(state, RequestStatus.FINISHED_STOPPED, "stop", reason, text + detok.flush(),
@@ -515,6 +561,9 @@ class AsyncEngine:
                 finish(state, RequestStatus.FINISHED_STOPPED, "stop", detok.stop_str, text, (token_id,), lp)
             elif num_out >= req.max_tokens:
                 finish(state, RequestStatus.FINISHED_LENGTH, "length", None, text + detok.flush(),
+                       (token_id,), lp)
+            elif guide is not None and guide.finished:  # the grammar admits nothing more: as EOS
+                finish(state, RequestStatus.FINISHED_STOPPED, "stop", None, text + detok.flush(),
                        (token_id,), lp)
             else:
                 state.stream.put(RequestOutput(

@@ -18,6 +18,7 @@ import bisect
 import concurrent.futures
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ from vt.sampling import MAX_LOGPROBS, SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
 MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
+# fill(request_ids, out): out i32[len(request_ids), mask words] gets each request's allowed-token
+# bitmask (structured outputs); the engine supplies it, the runner only moves the arrays.
+MaskFiller = Callable[[Sequence[str], np.ndarray], None]
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts the piecewise graphs of other steps are captured for. Longer steps run eager:
 # their GPU time dwarfs the ~7 us a launch costs on the host.
@@ -80,13 +84,15 @@ class _Row:
     params: SamplingParams
     eos_ids: tuple[int, ...]
     penalized: bool
+    guided: bool = False  # a grammar masks its tokens (structured outputs)
     num_blocks: int = 0   # entries of the row's block table line written so far
 
 
 class _SlotBuffers:
     """Host staging and device inputs/outputs of one slot, allocated once."""
 
-    def __init__(self, ops: Backend, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+    def __init__(self, ops: Backend, max_tokens: int, max_seqs: int, max_blocks: int,
+                 mask_words: int) -> None:
         def pair(shape: tuple[int, ...], np_dtype: Any, dtype: str) -> tuple[np.ndarray, Any]:
             return ops.pinned_empty(shape, np_dtype), ops.zeros(shape, dtype)
 
@@ -110,6 +116,10 @@ class _SlotBuffers:
         self.frequency = pair((max_seqs,), f32, "f32")
         self.repetition = pair((max_seqs,), f32, "f32")
         self.ban = pair((max_seqs * MAX_BANNED,), i32, "i32")
+        # Structured outputs: the token bitmasks of the step's guided rows, packed, and the batch
+        # row each one masks. One mask row per sequence at most, like every per-row buffer.
+        self.bitmask = pair((max_seqs * mask_words,), i32, "i32")
+        self.mask_rows = pair((max_seqs,), i32, "i32")
         self.out_ids = ops.pinned_empty((max_seqs,), i32)
         self.out_logprob = ops.pinned_empty((max_seqs,), f32)
         self.out_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
@@ -117,25 +127,40 @@ class _SlotBuffers:
 
 
 class StepHandle:
-    """A launched step. `wait()` (async) or `result()` (blocking) gives its StepOutput."""
+    """A launched step. `wait()` (async) or `result()` (blocking) gives its StepOutput.
+
+    A step whose guided rows' masks depend on tokens still in flight is launched without its
+    sampler (`awaiting_masks`): `ModelRunner.sample_deferred` gives it the masks and launches
+    the sampler, and only then may it be waited for."""
 
     def __init__(self, runner: ModelRunner, step_id: int, slot: int, plan: _Plan,
-                 future: concurrent.futures.Future, launch_time: float) -> None:
+                 future: concurrent.futures.Future | None, launch_time: float,
+                 deferred: _Launch | None = None) -> None:
         self.runner, self.step_id, self.slot, self.plan = runner, step_id, slot, plan
         self.future = future
         self.launch_time = launch_time
+        self.deferred = deferred
+
+    @property
+    def awaiting_masks(self) -> bool:
+        return self.deferred is not None
+
+    def _check_sampled(self) -> concurrent.futures.Future:
+        if self.deferred is not None or self.future is None:
+            raise RuntimeError(f"step {self.step_id} is waited for before its sampler was launched")
+        return self.future
 
     def done(self) -> bool:
-        return self.future.done()
+        return self.deferred is None and self.future is not None and self.future.done()
 
     def result(self) -> StepOutput:
-        self.future.result()  # re-raises a failure of the step
+        self._check_sampled().result()  # re-raises a failure of the step
         return self.runner._collect(self)
 
     async def wait(self) -> StepOutput:
         import asyncio
 
-        await asyncio.wrap_future(self.future)
+        await asyncio.wrap_future(self._check_sampled())
         return self.runner._collect(self)
 
 
@@ -179,6 +204,9 @@ class _Launch:
     route: str                           # "graph" (decode), "pieces" or "eager"
     padded: int                          # the captured size the step is padded to (0: eager)
     num_decodes: int                     # leading sequences with one token each
+    num_masks: int = 0                   # guided rows: bitmask rows staged for the sampler
+    mask_rids: tuple[str, ...] = ()      # their request ids, in bitmask row order
+    deferred: bool = False               # masks come after the previous step: sample later
 
 
 class ModelRunner:
@@ -201,8 +229,11 @@ class ModelRunner:
         self.out_counts = ops.zeros((rows, vocab), "i32")
         self.prompt_mask = ops.zeros((rows, vocab), "u8")
         self.inv_freq = ops.from_host(model_cfg.inv_freq(), "f32")
-        self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks)
+        self.mask_words = -(-vocab // 32)
+        self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks, self.mask_words)
                       for _ in range(ops.num_slots())]
+        # slot -> (logits, arena offset) of a step whose sampler waits for its masks
+        self._parked: dict[int, tuple[Any, int | None]] = {}
         self.num_blocks = self._size_kv()
         self.kv = self.model.allocate_kv(self.num_blocks, self.block_size)
         self.rows: dict[str, _Row] = {}
@@ -223,6 +254,7 @@ class ModelRunner:
         top = {self.max_tokens} if self.max_tokens <= PIECE_SIZES[-1] else set()
         self.piece_sizes = tuple(sorted({n for n in PIECE_SIZES if n < self.max_tokens} | top))
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
+        self.deferred_samples = 0  # steps whose sampler waited for the previous step's tokens
         self.use_graphs = False  # capture_graphs() turns it on
         if ops.name == "cuda" and not cfg.enforce_eager:
             self.capture_graphs()
@@ -324,7 +356,7 @@ class ModelRunner:
             raise RuntimeError("no free sampler row (more running requests than max_num_seqs)")
         p = new.params
         penalized = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0)
-        row = _Row(self.free_rows.pop(), p, eos_ids, penalized)
+        row = _Row(self.free_rows.pop(), p, eos_ids, penalized, p.structured is not None)
         self.rows[request_id] = row
         self.row_blocks[row.index].fill(0)
         values = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
@@ -352,9 +384,15 @@ class ModelRunner:
                                ops.from_host(np.asarray(new.output_token_ids, np.int32), "i32"))
 
     # ---- a step -----------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch, eos_for: Any) -> StepHandle:
+    def execute(self, batch: ScheduledBatch, eos_for: Any,
+                fill_masks: MaskFiller | None = None) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
-        token ids that min_tokens keeps banned."""
+        token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows.
+
+        A guided row whose input is the previous step's token (from_last) cannot have its mask
+        yet: the grammar must first see that token. Such a step runs its forward now and parks
+        the logits; its sampler is launched by sample_deferred() once the engine has processed
+        the previous step, so the masks (and the tokens) are exactly those of depth 1."""
         launch_time = time.monotonic()
         for rid in batch.released:
             self.release(rid)
@@ -394,6 +432,9 @@ class ModelRunner:
         row_idx: list[int] = []
         offsets: list[int] = []
         sample_rows: list[int] = []
+        masked: list[int] = []
+        mask_rids: list[str] = []
+        deferred = False
         t = 0
         for b, s in enumerate(seqs):
             if s.new is not None:
@@ -444,6 +485,10 @@ class ModelRunner:
                     banned = row.eos_ids[:MAX_BANNED]
                     ban_h[b, : len(banned)] = banned
                     any_ban = True
+                if row.guided:
+                    masked.append(b)
+                    mask_rids.append(s.request_id)
+                    deferred |= s.from_last
             else:
                 sample_rows.append(-1)
         ids_h[:t] = ids
@@ -461,11 +506,20 @@ class ModelRunner:
         np.take(row_blocks[:, :mb], idx, axis=0, out=bt_h)
         for name, _ in _ROW_PARAM_FIELDS:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
+        num_masks = len(masked)
+        if num_masks:
+            if fill_masks is None:
+                raise ValueError("a guided request is in the step but no mask filler was given")
+            buf.mask_rows[0][:num_masks] = masked
+            if not deferred:
+                fill_masks(mask_rids, self._mask_view(buf, num_masks))
         plan = _Plan(sample_req, logprobs_k)
         # decode_only already excludes admissions, hence rows that need a penalty setup.
+        # Guided steps sample outside the decode graph: masks are uploaded and applied between
+        # the logits and the sampler (and may come only after the forward was launched).
         route, padded = "eager", 0
         if self.use_graphs:
-            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 \
+            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 and not num_masks \
                     and (padded := _padded(self.graph_sizes, nseq)):
                 route = "graph"
             elif self.pieces and (padded := _padded(self.piece_sizes, t)):
@@ -473,14 +527,54 @@ class ModelRunner:
         self.routes[route] += 1
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
-                       route, padded, num_decodes)
+                       route, padded, num_decodes, num_masks, tuple(mask_rids), deferred)
         self.step_id += 1
+        future: concurrent.futures.Future | None = None
         if self.ops.name == "numpy":
             future = self.worker.submit(self._timed, self._device_step, step)
         else:
             self._device_step(step)
-            future = self.worker.submit(self._timed, self.ops.wait, slot)
-        return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time)
+            if not deferred:
+                future = self.worker.submit(self._timed, self.ops.wait, slot)
+        return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time, step if deferred else None)
+
+    def _mask_view(self, buf: _SlotBuffers, rows: int) -> np.ndarray:
+        return buf.bitmask[0][: rows * self.mask_words].reshape(rows, self.mask_words)
+
+    def sample_deferred(self, h: StepHandle, fill_masks: MaskFiller) -> None:
+        """Fill the masks of a step launched without its sampler and launch the sampler (never
+        waits for the device). Call it once the step before h has been processed; a failure
+        (of the masks or of the launch) fails h, whose wait() then raises it."""
+        st = h.deferred
+        if st is None:
+            return
+        h.deferred = None
+        self.deferred_samples += 1
+        forward = h.future  # numpy: the forward's job; the sampler's job checks its outcome
+        try:
+            fill_masks(st.mask_rids, self._mask_view(self.slots[st.slot], st.num_masks))
+            if self.ops.name == "numpy":
+                h.future = self.worker.submit(self._timed, self._resume_sample, (st, forward))
+                return
+            self._resume_sample((st, None))
+            h.future = self.worker.submit(self._timed, self.ops.wait, st.slot)
+        except Exception as exc:
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(exc)
+            h.future = failed
+
+    def _resume_sample(self, job: tuple[_Launch, concurrent.futures.Future | None]) -> None:
+        st, forward = job
+        if forward is not None:
+            forward.result()  # the forward failed: so does the step
+        logits, mark = self._parked.pop(st.slot)
+        ops = self.ops
+        with ops.slot(st.slot):
+            if mark is not None:
+                ops.arena_reserve(mark)  # the logits and the forward's outputs stay where they are
+            self._sample(self.slots[st.slot], logits, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban,
+                         st.num_masks)
+            ops.record(st.slot)
 
     @staticmethod
     def _timed(fn: Any, arg: Any) -> float:
@@ -503,11 +597,15 @@ class ModelRunner:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
                 if st.route == "pieces":
-                    self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
+                    logits = self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
                 else:
                     fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len,
                                      st.num_decodes)
-                    self._forward_sample(buf, fb, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
+                    logits = self.model.forward(fb, self.kv)
+                if st.deferred:  # sample_deferred() brings the masks and launches the rest
+                    self._parked[slot] = (logits, ops.arena_mark())
+                    return
+                self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
             ops.record(slot)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
@@ -543,7 +641,7 @@ class ModelRunner:
         self._sample(buf, self.model.forward(fb, self.kv), nseq, logprobs_k, any_penalty, any_ban)
 
     def _sample(self, buf: _SlotBuffers, logits: Any, nseq: int, logprobs_k: int, any_penalty: bool,
-                any_ban: bool) -> None:
+                any_ban: bool, num_masks: int = 0) -> None:
         ops = self.ops
         rows = buf.sample_rows[1][:nseq]
         if any_penalty:
@@ -551,6 +649,12 @@ class ModelRunner:
                          buf.frequency[1][:nseq], buf.repetition[1][:nseq])
         if any_ban:
             ops.ban_tokens(logits, buf.ban[1][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED))
+        if num_masks:
+            words = num_masks * self.mask_words
+            ops.copy_h2d(buf.bitmask[1][:words], buf.bitmask[0][:words])
+            ops.copy_h2d(buf.mask_rows[1][:num_masks], buf.mask_rows[0][:num_masks])
+            ops.apply_token_bitmask(logits, buf.bitmask[1][:words].reshape(num_masks, self.mask_words),
+                                    buf.mask_rows[1][:num_masks])
         ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
                          buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
         ops.record_sampled(self.last_tokens, self.out_counts, rows, ids)
@@ -562,9 +666,10 @@ class ModelRunner:
             ops.copy_d2h(buf.out_top_lp[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_lp)
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------
-    def _replay_pieces(self, buf: _SlotBuffers, st: _Launch, pieces: _Pieces) -> None:
+    def _replay_pieces(self, buf: _SlotBuffers, st: _Launch, pieces: _Pieces) -> Any:
         """Pad the step's tokens to the pieces' size (padding rows write no KV and feed no
-        sequence), stage, then replay the pieces with each layer's attention between them."""
+        sequence), stage, then replay the pieces with each layer's attention between them;
+        returns the logits of the step's sequences."""
         ops, ntok, nseq = self.ops, st.ntok, st.nseq
         self._pad_tokens(buf, ntok, pieces.size)
         fb = self._stage(buf, pieces.size, nseq, st.mb, st.max_query_len, st.max_seq_len, st.num_decodes)
@@ -575,8 +680,7 @@ class ModelRunner:
                           self.model.scale, st.max_query_len, st.max_seq_len, out=out[:ntok],
                           decode_seqs=fb.num_decodes)
             graph.replay()
-        logits = self.model.head(pieces.hidden, fb.logits_indices)
-        self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban)
+        return self.model.head(pieces.hidden, fb.logits_indices)
 
     @staticmethod
     def _pad_tokens(buf: _SlotBuffers, ntok: int, size: int) -> None:

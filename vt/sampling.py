@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vt.preview import preview
+from vt.structured.spec import StructuredOutput
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, on every backend
 MAX_N = 128
@@ -63,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None         # top logprobs per token, 0..20
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -130,6 +132,10 @@ class SamplingParams:
             lp = _check_int("logprobs", self.logprobs)
             if not 0 <= lp <= MAX_LOGPROBS:
                 raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}")
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsError("structured", f"structured must be a StructuredOutput, got "
+                                                    f"{type(self.structured).__name__}")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> tuple[str, ...]:

@@ -15,6 +15,8 @@ from pathlib import Path
 from vt.chat_template import TemplateCache, load_chat_template
 from vt.generation_config import load_sampling_defaults
 from vt.http.api_options import ApiOptions
+from vt.http.reasoning import PARSERS as REASONING_PARSERS
+from vt.http.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from vt.sampling import MAX_LOGPROBS
 
 log = logging.getLogger("vt.serve")
@@ -52,6 +54,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="no stats line (throughput, queue, KV cache use) every 10 s while busy")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per request (they are at debug level: --log-level debug shows them)")
+    p.add_argument("--reasoning-parser", default=None, metavar="{qwen3}",
+                   help="split the model's <think>...</think> into reasoning_content (chat replies and "
+                        "their streamed deltas); a structured output's grammar then applies after it")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default with tools): the model's tool calls, "
+                        "read by --tool-call-parser, become tool_calls")
+    p.add_argument("--tool-call-parser", default=None, metavar="{hermes}",
+                   help="how the model writes tool calls: hermes is Qwen3's <tool_call>{...}</tool_call>")
 
 
 def check_model_flags(args: argparse.Namespace) -> list[str]:
@@ -77,8 +87,16 @@ def api_options(args: argparse.Namespace, model_dir: str | Path, aliases: tuple[
     if args.chat_template is not None:
         template = load_chat_template(args.chat_template)
         TemplateCache().get(template)  # a template that does not compile fails the start, not requests
+    for flag, value, known in (("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS),
+                               ("--tool-call-parser", args.tool_call_parser, TOOL_CALL_PARSERS)):
+        if value is not None and value not in known:
+            raise ValueError(f"{flag} {value}: vt has the parsers {', '.join(known)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return ApiOptions(
         model_aliases=aliases, chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
         sampling_defaults=load_sampling_defaults(args.generation_config, model_dir),
-        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests)
+        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice)

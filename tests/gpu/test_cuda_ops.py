@@ -568,6 +568,29 @@ def test_penalize_and_ban_match_exactly(cb, nb, rng):
     np.testing.assert_array_equal(cb.to_host(d), ref)
 
 
+@pytest.mark.parametrize("v", [1000, 151936])
+def test_apply_token_bitmask_matches_numpy(cb, nb, rng, v):
+    """Structured outputs' mask: random bits (all-set and all-clear rows too), rows in any order
+    with -1 skipped, a vocabulary that is not a multiple of 32; then sampling the masked logits
+    picks only allowed tokens, as numpy does."""
+    b, words = 7, -(-v // 32)
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    bitmask = rng.integers(-(2**31), 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1
+    bitmask[3] = 0
+    bitmask[3, 2] = 1 << 5  # one allowed token: 69
+    rows = np.array([6, 0, -1, 2, 4], np.int32)
+    d = cb.from_host(logits, "f32")
+    cb.apply_token_bitmask(d, cb.from_host(bitmask, "i32"), cb.from_host(rows, "i32"))
+    ref = logits.copy()
+    nb.apply_token_bitmask(ref, bitmask, rows)
+    np.testing.assert_array_equal(cb.to_host(d), ref)
+    host = _rows(b, 1.0, 0, 1.0, 0.0, rng)
+    got = _sample_cuda(cb, ref, host)
+    np.testing.assert_array_equal(got, numpy_sampling.sample(ref, *host))
+    assert got[2] == 69
+
+
 def test_log_softmax_topk(cb, nb, rng):
     b, v, k = 6, 5000, 7
     logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)

@@ -1,4 +1,5 @@
-"""bench/prefill.py and bench/peer_transformers.py run on CPU and report sane figures."""
+"""bench/prefill.py, bench/peer_transformers.py and bench/structured_outputs.py run on CPU and report sane
+figures."""
 
 from __future__ import annotations
 
@@ -169,3 +170,25 @@ def test_host_overhead_reports_server_cpu_per_token(tmp_path: Path) -> None:
     assert row["output_tok_s"] > 0 and row["cpu_us_per_token"] > 0
     # every phase ran: the fake device step still goes through scheduling, staging and output
     assert all(row[name] > 0 for name in ("schedule", "execute", "_collect", "_process"))
+
+
+def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path) -> None:
+    """bench/structured_outputs.py on CPU: a 25% JSON-schema load, async on and off; guided
+    requests run to max_tokens like the free ones, and one in four is guided."""
+    from vt.model.make_model import make_model
+
+    model = make_model(tmp_path / "tiny", preset="tiny")
+    proc = run_script("structured_outputs.py", "--model", str(model), "--device", "cpu", "--num-prompts", "8",
+                      "--max-concurrency", "4", "--input-len", "8", "--output-len", "12", "--shares", "25",
+                      "--out", str(tmp_path / "out"), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "out" / "structured.json").read_text())
+    assert [(r["share"], r["async"]) for r in data["rows"]] == [(25, True), (25, False)]
+    for run in data["runs"]:
+        assert run["requests"] == 8 and run["guided"] == 2 and run["output_tokens"] == 8 * 12
+        assert run["output_throughput"] > 0 and run["tpot_guided_ms"] > 0 and run["tpot_free_ms"] > 0
+    table = (tmp_path / "out" / "structured.md").read_text()
+    assert "| 25% | on |" in table and "| 25% | off |" in table
+    bench = load_script("structured_outputs")
+    assert [i for i in range(8) if bench.guided(i, 25)] == [3, 7]
+    assert all(bench.guided(i, 100) for i in range(8)) and not any(bench.guided(i, 0) for i in range(8))

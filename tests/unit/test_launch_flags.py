@@ -68,6 +68,10 @@ def test_every_flag_has_help_that_shows_its_default(command):
     (("--generation-config", "/no/such/folder"), "expected auto, vllm or a folder"),
     (("--chat-template", "/no/such/template.jinja"), "looks like a file path"),
     (("--chat-template", "{% for %}"), "does not compile"),
+    (("--reasoning-parser", "deepseek_r1"), "vt has the parsers qwen3"),
+    (("--tool-call-parser", "mistral"), "vt has the parsers hermes"),
+    (("--enable-auto-tool-choice",), "--enable-auto-tool-choice needs --tool-call-parser"),
+    (("--reasoning-parser", "qwen3"), "needs the tokens <think> and </think> in the model's tokenizer"),
 ])
 def test_launch_flags_vt_cannot_honour_fail_with_a_message(model, args, needle):
     r = vt("serve", str(model), "--device", "cpu", *args)

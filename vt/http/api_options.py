@@ -16,3 +16,6 @@ class ApiOptions:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     max_logprobs: int = MAX_LOGPROBS          # most logprobs / top_logprobs a request may ask for
     log_requests: bool = True                 # a debug log line per request
+    reasoning_parser: str | None = None       # --reasoning-parser: qwen3 (<think> -> reasoning_content)
+    tool_call_parser: str | None = None       # --tool-call-parser: hermes turns <tool_call> into tool_calls
+    enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice: tool_choice auto is served

@@ -24,6 +24,7 @@ from vt.admission import check_params
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
+from vt.http.chat_output import ChatOutputPlan, chat_constraint
 from vt.http.errors import HttpError, error_body
 from vt.http.json_chunks import LazyList, json_chunks
 from vt.http.prompt_prep import PromptPreparer
@@ -40,7 +41,10 @@ from vt.http.protocol import (
     parse_json_object,
     parse_messages,
 )
+from vt.http.reasoning import ReasoningParser
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
+from vt.http.structured_fields import constrain, parse_structured_fields
+from vt.http.tool_calls import parse_tool_plan
 from vt.preview import preview
 from vt.sampling import SamplingParamsError
 
@@ -271,6 +275,7 @@ class OpenAIApp:
         self.served_model_name = served_model_name
         self.options = options or ApiOptions()
         self._model_names = frozenset((served_model_name, *self.options.model_aliases))
+        self._reasoning = ReasoningParser(engine.tokenizer) if self.options.reasoning_parser else None
         self.server: Any = None
         self.draining = False  # set by begin_drain() on SIGTERM
         # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
@@ -530,8 +535,10 @@ class OpenAIApp:
         r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), body, "logprobs")
         self._check_model(r.model)
         check_params(r.params, self.engine.limits)  # before the prompt work, which can be large
+        field = parse_structured_fields(body)
         add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
         prompts = [await self._completion_prompt_ids(p, add_special) for p in r.prompts]
+        r = dataclasses.replace(r, params=await constrain(self.engine, r.params, field))
         num_prompt = sum(map(len, prompts))
         base_id, created, streams, choices = self._launch("cmpl", prompts, r)
         if r.stream:
@@ -599,9 +606,14 @@ class OpenAIApp:
         opts = parse_template_options(body)
         self._check_model(r.model)
         check_params(r.params, self.engine.limits)  # before the template and tokenizer run
+        tools = parse_tool_plan(body, opts.tools, self.options.enable_auto_tool_choice)
+        field = chat_constraint(parse_structured_fields(body), tools)
         prompt_ids = await self._chat_prompt_ids(r.messages, opts)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
+        reasoning = self._reasoning
+        plan = ChatOutputPlan(reasoning, tools, reasoning is not None and reasoning.prompt_closed(prompt_ids))
+        r = dataclasses.replace(r, params=await constrain(self.engine, r.params, field, plan.grammar_start()))
         # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
         # echo repeats the final message's content when the reply continues it
         last = r.messages[-1]
@@ -610,21 +622,23 @@ class OpenAIApp:
         base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r)
         if r.stream:
             return self._stream_response(
-                streams, self._chat_events(base_id, created, r, len(prompt_ids), choices, role, echoed))
+                streams, self._chat_events(base_id, created, r, len(prompt_ids), choices, role, echoed, plan))
         await self._collect(req, streams, choices)
+        replies = [plan.reply(role, "".join(c.text), echoed, c.finish_reason) for c in choices]
         return _json_body({
             "id": base_id, "object": "chat.completion", "created": created, "model": self.served_model_name,
             "choices": [{
                 "index": c.index,
-                "message": {"role": role, "content": echoed + "".join(c.text)},
+                "message": message,
                 "logprobs": self._chat_logprobs(c.logprobs, lazy=True) if r.want_logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            } for c in choices],
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+            } for c, (message, finish_reason) in zip(choices, replies)],
             "usage": self._usage(len(prompt_ids), choices),
         })
 
     def _chat_events(self, base_id: str, created: int, r: ChatRequest, num_prompt: int,
-                     choices: list[_Choice], role: str = "assistant", echoed: str = "") -> _Events:
+                     choices: list[_Choice], role: str = "assistant", echoed: str = "",
+                     plan: ChatOutputPlan | None = None) -> _Events:
         head = {"id": base_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_name}
 
@@ -643,18 +657,27 @@ class OpenAIApp:
             first += [chunk({"index": c.index, "delta": {"content": echoed}, "logprobs": None,
                              "finish_reason": None}) for c in choices]
 
+        # reasoning and tool calls reshape each delta (chat_output); plain replies skip that
+        shapers = [plan.shaper() for _ in choices] if plan is not None and plan.shapes else None
+
         def output(i: int, out: Any) -> list[bytes]:
             choices[i].update(out)
-            if not out.finished and not r.want_logprobs and (out.text or out.token_ids):
+            if not out.finished and not r.want_logprobs and shapers is None and (out.text or out.token_ids):
                 return [plain_event(i, out.text)]
             if out.finished and out.finish_reason == "error":
                 return [_error_event(out), DONE]
             if _nothing_new(out):
                 return []
+            reason = out.finish_reason if out.finished else None
+            if shapers is not None:
+                delta = shapers[i].delta(out.text, out.finished)
+                reason = shapers[i].finish_reason(reason, shapers[i].called)
+            else:
+                delta = {"content": out.text} if out.text or out.token_ids else {}
             return [chunk({
-                "index": i, "delta": {"content": out.text} if out.text or out.token_ids else {},
+                "index": i, "delta": delta,
                 "logprobs": self._chat_logprobs(list(out.logprobs or ())) if r.want_logprobs else None,
-                "finish_reason": out.finish_reason if out.finished else None,
+                "finish_reason": reason,
                 "stop_reason": out.stop_reason if out.finished else None,
             })]
 

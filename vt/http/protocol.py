@@ -164,32 +164,24 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
 
 
 # Fields that ask for output vt cannot give: ignoring them would hand back something the client
-# did not ask for (unbiased tokens, free text instead of JSON, no tool calls), so each is a 400.
-# A field counts as asked for when it is present and not null, false or empty.
+# did not ask for (unbiased tokens, other candidates), so each is a 400. A field counts as asked
+# for when it is present and not null, false or empty. Structured outputs and tools are read by
+# vt.http.structured_fields and vt.http.tool_calls.
 _UNSUPPORTED_BOTH = {
     "logit_bias": "'logit_bias' is not supported",
     "prompt_logprobs": "'prompt_logprobs' is not supported",
     "use_beam_search": "beam search is not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
-    "response_format": "'response_format' other than type 'text' is not supported",
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
 _UNSUPPORTED_CHAT = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
 }
-_TOOLS_UNSUPPORTED = "tool calling is not supported; send 'tools' only with tool_choice 'none'"
 
 
 def _asked_for(name: str, v: Any) -> bool:
     if v is None or v is False or v == "" or v == [] or v == {}:
         return False
-    if name == "response_format":
-        return not (isinstance(v, dict) and v.get("type") in (None, "text"))
     return not (name == "function_call" and v == "none")
 
 
@@ -197,18 +189,6 @@ def _reject_unsupported(body: dict[str, Any], table: dict[str, str]) -> None:
     for name, message in table.items():
         if name in body and _asked_for(name, body[name]):
             raise ProtocolError(message, name)
-
-
-def _check_tool_choice(body: dict[str, Any]) -> None:
-    """Tools may come along only when the model is told not to call them (OpenAI's 'none')."""
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, (str, dict)):
-        raise ProtocolError("'tool_choice' must be a string or an object", "tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise ProtocolError("tool calling is not supported; tool_choice may only be 'none'",
-                            "tool_choice")
-    if _asked_for("tools", body.get("tools")) and choice != "none":
-        raise ProtocolError(_TOOLS_UNSUPPORTED, "tools")
 
 
 def _best_of(body: dict[str, Any], n: int) -> None:
@@ -347,7 +327,6 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     messages = parse_messages(body["messages"])
     model, stream, include_usage, priority = _common(body)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
-    _check_tool_choice(body)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs")
     if top is not None:

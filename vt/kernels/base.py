@@ -71,6 +71,10 @@ class Backend(Protocol):
         """Free what the open slot's arena handed out after mark; ops queued before stay valid
         because they run in stream order before anything that reuses the memory."""
 
+    def arena_reserve(self, mark: int) -> None:
+        """Hand out nothing below mark from now on: a step that resumes in a new context of its
+        slot (the sampler of a step whose masks came later) keeps the outputs it took before."""
+
     # ---- model ops ----------------------------------------------------------------------
     def embed(self, ids: Array, table: Array) -> Array:
         """ids i32[T], table act[V, H] -> act[T, H]."""
@@ -173,6 +177,11 @@ class Backend(Protocol):
 
     def record_sampled(self, last_tokens: Array, out_counts: Array, rows: Array, ids: Array) -> None:
         """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 (rows[b] >= 0)."""
+
+    def apply_token_bitmask(self, logits: Array, bitmask: Array, rows: Array) -> None:
+        """In place, structured outputs' mask: for m with rows[m] >= 0 (rows i32[M]), token t of
+        batch row rows[m] keeps its logit if bit t % 32 of bitmask[m, t // 32] is set (bitmask
+        i32[M, W], llguidance's layout) and becomes -inf otherwise, also where t >= 32 W."""
 
     # ---- async plumbing (the runner's view of streams, arenas and graphs) ------------------
     def num_slots(self) -> int:

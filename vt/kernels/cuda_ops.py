@@ -175,6 +175,7 @@ class CudaBackend:
                 "log_softmax_topk_k",
                 "penalize_k",
                 "ban_tokens_k",
+                "apply_token_bitmask_k",
                 "record_sampled_k",
                 "sample_k",
                 "sample_combine_k",
@@ -684,6 +685,16 @@ class CudaBackend:
         b, v = self._logits_ok(logits)
         if b and ban.shape[1]:
             self._launch("ban_tokens_k", (b,), (128,), (logits, ban, _i32(ban.shape[1]), _i32(v)))
+
+    def apply_token_bitmask(self, logits: cupy.ndarray, bitmask: cupy.ndarray, rows: cupy.ndarray) -> None:
+        b, v = self._logits_ok(logits)
+        m = rows.shape[0]
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != m \
+                or not bitmask.flags.c_contiguous:
+            raise ValueError(f"bitmask must be C-contiguous i32[{m}, W], got {bitmask.dtype}{bitmask.shape}")
+        if m and b:
+            self._launch("apply_token_bitmask_k", (-(-v // 256), m), (256,),
+                         (logits, bitmask, rows, _i32(bitmask.shape[1]), _i32(b), _i32(v)))
 
     def sample(
         self,

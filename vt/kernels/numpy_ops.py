@@ -259,6 +259,11 @@ class NumpyBackend:
 
         numpy_sampling.record_sampled(last_tokens, out_counts, rows, ids)
 
+    def apply_token_bitmask(self, logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        from vt.kernels import numpy_sampling
+
+        numpy_sampling.apply_token_bitmask(logits, bitmask, rows)
+
     # ---- async plumbing: numpy runs ops eagerly, so streams and events are trivial ----------
     def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
         """Every op allocates on numpy; the slots' ledgers hold it to nbytes at CUDA sizes."""
@@ -278,6 +283,15 @@ class NumpyBackend:
         if ledger is not None and mark is not None:
             ledger.check_mark(mark, ledger.offset)
             ledger.offset = mark
+
+    def arena_reserve(self, mark: int) -> None:
+        """Hand out nothing below mark from now on (as CUDA's: a step resumed in a new slot
+        context keeps what it took before)."""
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.check_mark(mark, ledger.nbytes if ledger.nbytes is not None else mark)
+            ledger.offset = max(ledger.offset, mark)
+            ledger.high = max(ledger.high, ledger.offset)
 
     def arena_high(self, i: int) -> int:
         """The furthest offset slot i's ledger reached in its last step (tests of the plan)."""

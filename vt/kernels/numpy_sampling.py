@@ -161,6 +161,23 @@ def ban_tokens(logits: np.ndarray, ban: np.ndarray) -> None:
     logits[b_idx, ban[b_idx, j_idx]] = -np.inf
 
 
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    """In place: for every m with rows[m] >= 0, logits[rows[m], t] = -inf where bit t % 32 of word
+    bitmask[m, t // 32] is 0 (tokens past 32 * W count as cleared). bitmask i32[M, W] holds
+    llguidance's layout (bit j of word w allows token 32 w + j); rows i32[M]."""
+    rows = np.asarray(rows)
+    valid = np.nonzero(rows >= 0)[0]
+    if valid.size == 0:
+        return
+    vocab = logits.shape[1]
+    words = np.ascontiguousarray(np.asarray(bitmask, dtype=np.int32)[valid])
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    target = rows[valid]
+    logits[target] = np.where(bits, logits[target], np.float32(-np.inf))
+
+
 def record_sampled(last_tokens: np.ndarray, out_counts: np.ndarray, rows: np.ndarray,
                    ids: np.ndarray) -> None:
     """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 where rows[b] >= 0."""

@@ -230,6 +230,21 @@ extern "C" __global__ void ban_tokens_k(float* __restrict__ logits, const int* _
     }
 }
 
+// Structured outputs: token t of batch row rows[m] keeps its logit where bit t % 32 of
+// bitmask[m, t / 32] is set (llguidance's layout), else it becomes -inf, as do tokens past
+// 32 * words. One thread per (mask row, token); rows of -1 (or out of the batch) are skipped.
+extern "C" __global__ void apply_token_bitmask_k(float* __restrict__ logits, const int* __restrict__ bitmask,
+                                                 const int* __restrict__ rows, int words, int batch,
+                                                 int vocab) {
+    const int m = blockIdx.y;
+    const int b = rows[m];
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < 0 || b >= batch || t >= vocab) return;
+    const int w = t >> 5;
+    const unsigned int word = w < words ? (unsigned int)bitmask[(size_t)m * words + w] : 0u;
+    if (!((word >> (t & 31)) & 1u)) logits[(size_t)b * vocab + t] = -VT_INF;
+}
+
 // last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1.
 extern "C" __global__ void record_sampled_k(int* __restrict__ last_tokens, int* __restrict__ out_counts,
                                             const int* __restrict__ rows, const int* __restrict__ ids, int n,

@@ -25,6 +25,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen3's markup tokens, added (not special: they decode into the text) by make_model(qwen3_tokens=True)
+# for what parses them: reasoning (<think>) and tool calls (<tool_call>).
+QWEN3_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 REPLACEMENT_CHAR = "\ufffd"
 CHUNK_ELEMS = 1 << 23          # elements drawn per generator; bounds memory per worker
 DEFAULT_SHARD_BYTES = 2 << 30  # shards at most about this size (a tensor is never split)
@@ -120,8 +123,9 @@ def training_corpus(lines: int = 3000) -> list[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int = 1000):
-    """A byte-level BPE with the ChatML special tokens at ids 0, 1, 2."""
+def train_tokenizer(vocab_size: int = 1000, added: tuple[str, ...] = ()):
+    """A byte-level BPE with the ChatML special tokens at ids 0, 1, 2 and then `added` as added
+    tokens that are not special (they stay in decoded text, as Qwen3's <think> does)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -129,10 +133,16 @@ def train_tokenizer(vocab_size: int = 1000):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS + added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(training_corpus(), trainer=trainer)
-    return tok
+    if not added:
+        return tok
+    data = json.loads(tok.to_str())
+    for entry in data["added_tokens"]:
+        if entry["content"] in added:
+            entry["special"] = False
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _word_kind(text: str) -> tuple[bool, str] | None:
@@ -317,8 +327,9 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_byte
 # ---- entry points -------------------------------------------------------------------------
 
 def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a random checkpoint (config, safetensors, tokenizer, generation config) to out_dir."""
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES, qwen3_tokens: bool = False) -> Path:
+    """Write a random checkpoint (config, safetensors, tokenizer, generation config) to out_dir;
+    qwen3_tokens adds Qwen3's <think> and <tool_call> markup tokens to the tokenizer."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if preset not in PRESETS:
@@ -329,7 +340,7 @@ def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = train_tokenizer(p.tokenizer_vocab)
+    tok = train_tokenizer(p.tokenizer_vocab, QWEN3_TOKENS if qwen3_tokens else ())
     vocab = p.vocab if p.vocab is not None else -(-tok.get_vocab_size() // 64) * 64
     tok = grow_tokenizer(tok, vocab, seed)  # every row of the vocabulary has a token
     tok.save(str(out / "tokenizer.json"))

@@ -1,0 +1,315 @@
+"""Tool calling: `tools`, `tool_choice` and `parallel_tool_calls` -> a ToolPlan, and model text ->
+OpenAI `tool_calls`, whole or as streamed deltas.
+
+- `none`: the template still sees the tools; the output is plain content.
+- `auto` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): the model writes Qwen3's
+  (Hermes') `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the
+  first call is the content, each call becomes a tool call. A call that is not JSON leaves the
+  whole text as content, as vLLM does.
+- `required` and a named function are enforced by a grammar, so they always parse: required
+  makes the output a JSON array of `{"name": <one of the tools>, "parameters": {...}}` (at most
+  one element when parallel_tool_calls is false), a named choice makes it the function's
+  arguments object. This is vLLM's encoding.
+
+Arguments are the model's JSON text as written, in the streamed deltas and in whole messages
+alike (one scanner reads both), so a client that concatenates the deltas gets the same string.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from vt.http.json_scan import ObjectScanner
+from vt.http.protocol import ProtocolError
+from vt.structured.compiler import close_objects
+from vt.structured.spec import GrammarSpec
+
+PARSERS = ("hermes",)
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str                                   # none | auto | required | named
+    names: tuple[str, ...] = ()
+    named: str | None = None                    # the function a named choice forces
+    parallel: bool = True
+    grammar: GrammarSpec | None = None          # required / named: the output's grammar
+
+    def stream(self) -> ToolCallStream | None:
+        if self.mode == "none":
+            return None
+        kind = {"auto": "hermes", "required": "array", "named": "named"}[self.mode]
+        return ToolCallStream(kind, self.named, self.parallel)
+
+
+def _check_tools(tools: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The function definitions of `tools`; ProtocolError naming `tools` for a malformed one."""
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ProtocolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ProtocolError(f"tools[{i}].function.name must be a non-empty string", "tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ProtocolError(f"tools[{i}].function.strict must be a boolean", "tools")
+        out.append(fn)
+    names = [fn["name"] for fn in out]
+    if len(set(names)) != len(names):
+        raise ProtocolError("tools must have distinct function names", "tools")
+    return out
+
+
+def _parameters(fn: dict[str, Any]) -> Any:
+    params = fn.get("parameters")
+    if params is None:
+        return _NO_PARAMETERS
+    return close_objects(params) if fn.get("strict") else params
+
+
+def _required_schema(fns: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": _parameters(fn)},
+              "required": ["name", "parameters"], "additionalProperties": False} for fn in fns]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | None,
+                    auto_tool_choice: bool) -> ToolPlan:
+    """tools (already read with the template controls), tool_choice and parallel_tool_calls.
+    auto_tool_choice: the server runs a tool-call parser (--enable-auto-tool-choice)."""
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError(f"'parallel_tool_calls' must be a boolean, got {parallel!r}",
+                            "parallel_tool_calls")
+    parallel = parallel is not False
+    fns = _check_tools(tools or ())
+    names = tuple(fn["name"] for fn in fns)
+    choice = body.get("tool_choice")
+    if choice is None:  # vLLM's default: auto where the server parses tool calls, else none
+        choice = "auto" if fns and auto_tool_choice else "none"
+    if choice == "none":
+        return ToolPlan("none", names, parallel=parallel)
+    if choice == "auto":
+        if not fns:
+            return ToolPlan("none", parallel=parallel)
+        if not auto_tool_choice:
+            raise ProtocolError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice "
+                                "--tool-call-parser hermes", "tool_choice")
+        return ToolPlan("auto", names, parallel=parallel)
+    if not fns:
+        raise ProtocolError("tool_choice other than 'none' or 'auto' needs 'tools'", "tool_choice")
+    if choice == "required":
+        spec = GrammarSpec("json", orjson.dumps(_required_schema(fns, parallel)).decode())
+        return ToolPlan("required", names, parallel=parallel, grammar=spec)
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ProtocolError("tool_choice must be 'none', 'auto', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if name not in names:
+            raise ProtocolError(f"tool_choice names the function {name!r}, which is not in tools",
+                                "tool_choice")
+        target = fns[names.index(name)]
+        spec = GrammarSpec("json", orjson.dumps(_parameters(target)).decode())
+        return ToolPlan("named", names, named=name, parallel=parallel, grammar=spec)
+    raise ProtocolError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
+                        "tool_choice")
+
+
+@dataclass
+class ToolCall:
+    index: int
+    id: str
+    name: str | None = None
+    scan: ObjectScanner | None = None   # the call's JSON object (None: the text is the arguments)
+    arguments: str = ""                 # the arguments text sent so far
+    announced: bool = False             # its first delta (id, type, name) was sent
+    complete: bool = False
+
+    def current_arguments(self, args_key: str) -> str:
+        """The arguments text so far: always a prefix of the final one."""
+        if self.scan is None:
+            return self.arguments
+        got = self.scan.raw(args_key)
+        if got is None:
+            return "{}" if self.complete else ""
+        raw, whole = got
+        if raw.startswith('"'):  # arguments written as a JSON string: its text, once whole
+            return orjson.loads(raw) if whole else ""
+        return raw
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _holdback(text: str, tag: str) -> int:
+    """Length of the longest end of text that could begin tag (held back until it can tell)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Content text in -> (content delta, tool-call deltas) out, for one choice.
+
+    kind hermes: <tool_call>{...}</tool_call> blocks after free text; array: a JSON array of
+    {"name", "parameters"} objects; named: the whole text is one call's arguments."""
+
+    def __init__(self, kind: str, named: str | None = None, parallel: bool = True) -> None:
+        self.kind = kind
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []
+        self.failed = False          # a call was not JSON: the text is content after all
+        self._args_key = "parameters" if kind == "array" else "arguments"
+        self._pending = ""           # hermes: text not yet classified (a tag may be starting)
+        self._state = "text" if kind == "hermes" else "between"
+        if kind == "named":
+            self.calls.append(ToolCall(0, _call_id(), named))
+            self._state = "args"
+
+    # ---- streaming ----------------------------------------------------------------------------
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.failed:
+            return text, []
+        if self.kind == "named":
+            return "", self._named(text)
+        content = self._hermes(text) if self.kind == "hermes" else self._array(text)
+        return content, self._deltas()
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end of the output: what was held back, and the last deltas."""
+        content = ""
+        if self.kind == "hermes" and self._state == "text":
+            content, self._pending = self._pending, ""
+        return content, self._deltas()
+
+    def _named(self, text: str) -> list[dict[str, Any]]:
+        call = self.calls[0]
+        if not call.arguments:
+            text = text.lstrip()
+        call.arguments += text
+        if not call.announced:
+            call.announced = True
+            return [{"index": 0, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": text}}]
+        return [{"index": 0, "function": {"arguments": text}}] if text else []
+
+    def _hermes(self, text: str) -> str:
+        out = []
+        rest = self._pending + text
+        self._pending = ""
+        while rest and not self.failed:
+            if self._state == "text" or self._state == "between":
+                i = rest.find(CALL_START)
+                if i < 0:
+                    keep = _holdback(rest, CALL_START)
+                    if self._state == "text":
+                        out.append(rest[: len(rest) - keep])
+                    self._pending = rest[len(rest) - keep:]
+                    return "".join(out)
+                if self._state == "text":
+                    out.append(rest[:i])
+                rest = rest[i + len(CALL_START):]
+                if not self.parallel and self.calls:
+                    self._state = "skip"
+                    continue
+                self._open_call()
+            elif self._state == "call":
+                rest = self._feed_call(rest)
+                if self._state == "call":
+                    return "".join(out)
+                if self.failed:
+                    out.append(rest)  # not a call after all: the rest stays text
+                    return "".join(out)
+                self._state = "close"
+            else:  # close / skip: text up to </tool_call> is dropped
+                i = rest.find(CALL_END)
+                if i < 0:
+                    self._pending = rest[len(rest) - _holdback(rest, CALL_END):]
+                    return "".join(out)
+                rest = rest[i + len(CALL_END):]
+                self._state = "between"
+        return "".join(out)
+
+    def _array(self, text: str) -> str:
+        rest = text
+        while rest and not self.failed:
+            if self._state == "call":
+                rest = self._feed_call(rest)
+                continue
+            c, rest = rest[0], rest[1:]
+            if c == "{" and self._state == "between":
+                self._open_call()
+                rest = "{" + rest
+            elif c not in " \t\r\n[],":
+                self.failed = True
+        return ""
+
+    def _open_call(self) -> None:
+        self.calls.append(ToolCall(len(self.calls), _call_id(), scan=ObjectScanner()))
+        self._state = "call"
+
+    def _feed_call(self, text: str) -> str:
+        """Feed the open call's object; returns the text after it once it closed."""
+        call = self.calls[-1]
+        scan = call.scan
+        used = scan.feed(text)
+        if scan.invalid:
+            self.failed = True
+            return text[used:]
+        if call.name is None:
+            call.name = scan.string("name")
+        if scan.closed:
+            call.complete = True
+            self._state = "between"
+            return text[used:]
+        return ""
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        out = []
+        for call in self.calls:
+            if call.name is None:
+                continue
+            args = call.current_arguments(self._args_key)
+            if call.announced and args == call.arguments:
+                continue
+            new = args[len(call.arguments):]
+            call.arguments = args
+            if not call.announced:
+                call.announced = True
+                out.append({"index": call.index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": new}})
+            elif new:
+                out.append({"index": call.index, "function": {"arguments": new}})
+        return out
+
+    # ---- whole outputs ------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole output -> (content, tool calls), as the streamed deltas add up to."""
+        content, _ = self.push(text)
+        more, _ = self.finish()
+        calls = [c for c in self.calls if c.name is not None]
+        if self.failed or (self.kind != "named" and any(not c.complete for c in calls)):
+            return (text or None), []
+        content += more
+        return (content or None) if self.kind == "hermes" else None, [c.message() for c in calls]
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"

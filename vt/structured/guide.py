@@ -1,0 +1,39 @@
+"""Guide: one request's place in its grammar, advanced by every token the request generates.
+
+The engine advances a guide with each token as it appends it (in `_process`), before the next
+step's mask of that request is computed; a token sampled under the mask is always accepted, so
+a rejection means the mask and the matcher disagree and ends the request with an error rather
+than letting it go on unconstrained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Guide:
+    __slots__ = ("matcher", "waiting_for")
+
+    def __init__(self, matcher: Any, start_after: int | None = None) -> None:
+        self.matcher = matcher
+        self.waiting_for = start_after  # the grammar applies once this token has been generated
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (False while the request still reasons)."""
+        return self.waiting_for is None
+
+    def advance(self, token_id: int) -> str | None:
+        """Take a generated token; returns why the grammar rejected it, or None."""
+        if self.waiting_for is not None:
+            if token_id == self.waiting_for:
+                self.waiting_for = None
+            return None
+        if self.matcher.consume_token(token_id):
+            return None
+        return f"token {token_id} is outside the grammar: {self.matcher.get_error() or 'rejected'}"
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and admits no further token: the request stops here."""
+        return self.waiting_for is None and self.matcher.is_stopped()

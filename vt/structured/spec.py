@@ -1,0 +1,42 @@
+"""What a request asks its output to follow, as plain data: the compile cache's key.
+
+No llguidance here: SamplingParams carries a StructuredOutput, and the scheduler, the runner and
+the HTTP layer can hold one without loading the grammar engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON whitespace between tokens when the request does not choose: one space, or a line break and
+# up to 20 spaces of indentation, so compact and pretty-printed JSON both fit. Unbounded whitespace
+# (vLLM's default) lets a model that hesitates emit blank lines until max_tokens; this cannot loop.
+DEFAULT_JSON_WHITESPACE = r"(?:[ ]|\n[ ]{0,20})?"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: json (text is a JSON schema), json_object (any JSON object; text unused), regex,
+    choice (text is a JSON list of strings, one of which is the output) or grammar (Lark, or
+    GBNF / EBNF as llama.cpp and vLLM write them)."""
+
+    kind: str
+    text: str = ""
+    whitespace: str = DEFAULT_JSON_WHITESPACE  # json kinds: regex of the whitespace between tokens
+    strict: bool = False                        # json: objects without additionalProperties get false
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.text, str) or not isinstance(self.whitespace, str):
+            raise ValueError("grammar text and whitespace must be strings")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A request's constraint: its grammar, applied from the first output token, or only after
+    the token `start_after` (a reasoning parser's end-of-thinking token) has been generated."""
+
+    grammar: GrammarSpec
+    start_after: int | None = None
