@@ -189,6 +189,12 @@ class DetokStream:
         self._include = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        # A prompt that ends inside a character (its last tokens carry part of a UTF-8 sequence)
+        # would let the window's offsets split that character: decode the output against the
+        # prompt's complete characters only, so the first text is the whole character it ends.
+        while self._ids and tokenizer.decode(self._ids, skip_special_tokens=skip_special_tokens) \
+                .endswith(REPLACEMENT_CHAR):
+            self._ids.pop()
         self._prefix = 0                    # window start (context tokens, already emitted)
         self._read = len(self._ids)         # tokens before this are decoded and accounted for
         self._pending = ""                  # decoded text held back for stop matching

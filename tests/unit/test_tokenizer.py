@@ -111,6 +111,21 @@ def test_multibyte_characters_split_across_tokens_never_stream_broken(tok):
     assert d.stop_str is None
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_prompt_ending_inside_a_character_never_leaks_into_the_output(tok, fast):
+    """Random-id prompts can end with part of a UTF-8 sequence: the output is the text of the
+    output tokens, never characters of the prompt again, and never characters lost."""
+    ids = tok.encode(TEXT)
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert len(cuts) >= 3  # the test is only meaningful if prompts really end mid-character
+    for k in cuts:
+        d = DetokStream(tok, ids[:k])
+        if not fast:
+            d._fast = None
+        got = "".join(d.push(i) for i in ids[k:]) + d.flush()
+        assert got == tok.decode(ids[k:]), k
+
+
 def test_random_ids_stream_equals_full_decode(tok):
     rng = np.random.default_rng(3)
     for _ in range(20):
