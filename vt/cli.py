@@ -89,6 +89,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -33,6 +33,7 @@ class EngineConfig:
     max_waiting: int = 1024               # bounded waiting queue; beyond it requests get 503
     seed: int = 0
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config: publish KV cache events
+    tensor_parallel_size: int = 1         # ranks the weights, heads and KV cache are split over
 
 
 # ---------------------------------------------------------------------------------------------

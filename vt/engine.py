@@ -174,7 +174,7 @@ class AsyncEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         device = {"cpu": "numpy"}.get(config.device, config.device)
-        self.ops = get_backend(device)
+        self.ops = get_backend(device, config.tensor_parallel_size)
         mml = config.max_model_len or self.model_config.max_position_embeddings
         if mml < 2:
             raise ValueError("--max-model-len must be at least 2")

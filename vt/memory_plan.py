@@ -11,6 +11,10 @@ Each in-flight slot owns two fixed regions, reserved at start before the KV cach
   context length or batch shape can outgrow it; the budget only limits how far short grids are
   spread over the chip.
 
+Split over a tensor-parallel group, each rank has its own arena and scratch, and the plan is one
+rank's: the residual stream in full, its own heads and MLP columns, its vocabulary rows' logits
+and the gathered full logits (vt.kernels.rank_group).
+
 Every term is monotone in tokens, sequences and logprobs, so the step of
 max(max_num_batched_tokens, max_num_seqs) tokens over max_num_seqs sequences, each sampled with
 MAX_LOGPROBS top logprobs, bounds every step: a step never has more tokens (the scheduler's
@@ -27,6 +31,7 @@ from vt.config import ModelConfig
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import MAX_KEY_SPLITS, attention_partial_bytes
 from vt.kernels.base import prologue_fused
+from vt.model.shard import TensorSplit
 from vt.sampling import MAX_LOGPROBS
 
 ACT_BYTES = 2  # bf16 activations on CUDA; the numpy ledger counts them at this size too
@@ -56,11 +61,14 @@ class StepMemory:
         return self.arena_bytes + self.kernel_scratch_bytes
 
 
-def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int) -> int:
+def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
+                     tensor_parallel_size: int = 1) -> int:
     """Arena bytes of a step of `tokens` tokens over `seqs` sampled sequences with logprobs_k top
-    logprobs (0: none), as the forward, the head and the sampler allocate them."""
-    h, inter, v = mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    hq, hk, d = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    logprobs (0: none), as the forward, the head and the sampler allocate them (on one rank of a
+    tensor_parallel_size split: the one with the most vocabulary rows)."""
+    split = TensorSplit.of(mc, tensor_parallel_size)
+    h, inter, v = mc.hidden_size, split.intermediate, mc.vocab_size
+    hq, hk, d = split.heads, split.kv_heads, mc.head_dim
     sizes = [tokens * h * ACT_BYTES]                       # embed: the residual stream
     # The last layer's outputs are still live when the head runs; earlier layers were rewound.
     sizes.append(tokens * (hq + 2 * hk) * d * ACT_BYTES)   # qkv
@@ -69,8 +77,11 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int) -
     sizes += [tokens * hq * d * ACT_BYTES,                 # attention output
               tokens * 2 * inter * ACT_BYTES,              # gate_up
               tokens * inter * ACT_BYTES]                  # silu_mul
-    sizes += [seqs * h * ACT_BYTES, seqs * h * ACT_BYTES,  # gathered last rows, final norm
-              seqs * v * 4,                                # f32 logits
+    sizes += [seqs * h * ACT_BYTES, seqs * h * ACT_BYTES]  # gathered last rows, final norm
+    if split.size > 1:
+        sizes += [seqs * split.max_vocab_rows * 4,         # this rank's f32 logits
+                  seqs * v * 4]                            # all ranks' logits, gathered rank-major
+    sizes += [seqs * v * 4,                                # f32 logits
               seqs * 4]                                    # sampled ids
     if logprobs_k:
         k = min(logprobs_k, v)
@@ -78,12 +89,14 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int) -
     return sum(aligned(s) for s in sizes)
 
 
-def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> StepMemory:
-    """The per-slot memory of the largest step these flags allow."""
+def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                     tensor_parallel_size: int = 1) -> StepMemory:
+    """The per-slot memory of the largest step these flags allow (on each rank of the split)."""
     tokens = max(max_num_batched_tokens, max_num_seqs)
     seqs = max_num_seqs
+    heads = TensorSplit.of(mc, tensor_parallel_size).heads
     partials = min(ATTENTION_PARTIALS_MAX,
-                   attention_partial_bytes(MAX_KEY_SPLITS, tokens, mc.num_heads, mc.head_dim))
+                   attention_partial_bytes(MAX_KEY_SPLITS, tokens, heads, mc.head_dim))
     return StepMemory(tokens=tokens, seqs=seqs,
-                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS),
+                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size),
                       attention_partials_bytes=partials, sampler_scratch_bytes=SAMPLER_SCRATCH)

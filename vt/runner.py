@@ -215,13 +215,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = cfg.block_size
         weights = load_weights(cfg.model, model_cfg)
-        self.model = Transformer(model_cfg, weights, ops)
+        self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size)
         del weights
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.max_seqs = cfg.max_num_seqs
         self.max_blocks = -(-max_model_len // self.block_size)
         # Everything a step needs is reserved before the KV cache takes the rest.
-        self.step_memory = plan_step_memory(model_cfg, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.step_memory = plan_step_memory(model_cfg, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                            cfg.tensor_parallel_size)
         self._reserve_step_memory(self.step_memory)
         vocab = model_cfg.vocab_size
         rows = cfg.max_num_seqs
@@ -287,7 +288,9 @@ class ModelRunner:
         """KV blocks: explicit (--num-gpu-blocks, --kv-cache-memory) or what the device has left
         within --gpu-memory-utilization once weights, step memory and sampler rows are taken."""
         cfg, mc = self.cfg, self.model_cfg
-        per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, 2 if self.ops.name == "cuda" else 4)
+        tp = cfg.tensor_parallel_size  # the budget and the block sizes are one rank's
+        dtype_bytes = 2 if self.ops.name == "cuda" else 4
+        per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp)
         if cfg.num_gpu_blocks is not None:
             if cfg.num_gpu_blocks < 1:
                 raise ValueError("--num-gpu-blocks must be at least 1")
@@ -302,7 +305,7 @@ class ModelRunner:
             budget = int(free - total * (1.0 - cfg.gpu_memory_utilization) - graphs)
         else:
             # CPU: enough for every sequence at full length, capped at 1 GiB.
-            need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4)
+            need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4, tp)
             budget = min(need, 1024**3)
         # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
         # nothing but a longer free list.

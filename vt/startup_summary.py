@@ -54,14 +54,16 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
     dtype_bytes = 2 if engine.ops.name == "cuda" else 4
     params = num_parameters(mc)
     kv_tokens = runner.num_blocks * cfg.block_size
-    kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes)
+    tp = cfg.tensor_parallel_size  # KV bytes over all ranks (a KV head may live on several)
+    kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp) * tp
+    ranks = f", {tp} tensor-parallel ranks" if tp > 1 else ""
     if runner.use_graphs:
         graphs = (f"{len(runner.graphs)} decode graphs ({len(runner.graph_sizes)} batch sizes) and "
                   f"{len(runner.pieces)} piecewise prefill sets captured")
     else:
         graphs = "none (eager steps: " + ("--enforce-eager" if cfg.enforce_eager else "numpy backend") + ")"
     lines = [
-        f"vt {__version__} on {_device_name(engine.ops)}",
+        f"vt {__version__} on {_device_name(engine.ops)}{ranks}",
         f"model {cfg.model}: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
         f"{mc.num_heads} heads / {mc.num_kv_heads} KV heads of {mc.head_dim}, vocab {mc.vocab_size}, "
         f"{mc.dtype} checkpoint",

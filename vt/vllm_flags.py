@@ -1,7 +1,7 @@
 """The launch flags of a typical vLLM command line that vt honours, accepts or refuses clearly.
 
 A vLLM user's script should start vt unchanged where vt can do what it asks: `--dtype auto` or
-`bfloat16`, `--trust-remote-code` (vt runs no model code but its own), `--tensor-parallel-size 1`,
+`bfloat16`, `--trust-remote-code` (vt runs no model code but its own), `--tensor-parallel-size`,
 `--generation-config`, `--chat-template`, logging switches and `--max-logprobs`. What vt cannot do
 is an error naming the flag, never a silent difference.
 """
@@ -33,7 +33,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM command lines; vt runs no code from the checkpoint")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="GPUs per model; vt serves one GPU per process, so only 1")
+                   help="ranks the model is split over (attention heads and KV cache, MLP columns, "
+                        "vocabulary), all driven by this process; above 1 runs on the numpy backend "
+                        "(--device cpu) for now")
     p.add_argument("--revision", default=None,
                    help="the snapshot of a Hugging Face id to serve from the local cache: a branch, tag "
                         "or commit hash (default: main)")
@@ -70,9 +72,8 @@ def check_model_flags(args: argparse.Namespace) -> list[str]:
         known = "" if args.dtype in _DTYPES_REFUSED else "unknown dtype; "
         raise ValueError(f"--dtype {args.dtype}: {known}vt runs bfloat16 weights; use --dtype auto or "
                          "bfloat16")
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: vt serves one GPU per "
-                         "process; tensor parallelism is not supported yet (use 1, or one server per GPU)")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     notes = []
     if args.trust_remote_code:
         notes.append("--trust-remote-code: accepted; vt runs no code from the checkpoint, only its own")

@@ -66,6 +66,10 @@ ENGINES = {
     "no-chunk-no-cache": dict(enable_chunked_prefill=False, enable_prefix_caching=False),
     "graph-path": dict(),  # the CUDA-graph decode path (padding, static block tables) on numpy
     "graph-path-sync": dict(async_scheduling=False),
+    # the model split over numpy ranks (vt.kernels.rank_group): the same greedy tokens
+    "tp2": dict(tensor_parallel_size=2),
+    "preempt-tp4": dict(num_gpu_blocks=20, block_size=8, max_num_batched_tokens=64, tensor_parallel_size=4),
+    "graph-path-tp2": dict(tensor_parallel_size=2),
 }
 
 

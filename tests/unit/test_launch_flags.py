@@ -62,8 +62,9 @@ def test_every_flag_has_help_that_shows_its_default(command):
 @pytest.mark.parametrize("args, needle", [
     (("--dtype", "float16"), "vt runs bfloat16 weights; use --dtype auto or bfloat16"),
     (("--dtype", "int4"), "unknown dtype"),
-    (("--tensor-parallel-size", "2"), "tensor parallelism is not supported yet"),
-    (("-tp", "4"), "tensor parallelism is not supported yet"),
+    (("--tensor-parallel-size", "0"), "--tensor-parallel-size must be at least 1"),
+    (("-tp", "3"), "--tensor-parallel-size 3 cannot split this model: its 4 attention heads"),
+    (("--device", "cuda", "-tp", "2"), "the CUDA backend drives one GPU for now"),
     (("--max-logprobs", "21"), "--max-logprobs must be in [0, 20]"),
     (("--generation-config", "/no/such/folder"), "expected auto, vllm or a folder"),
     (("--chat-template", "/no/such/template.jinja"), "looks like a file path"),

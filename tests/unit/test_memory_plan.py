@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.unit.hf_models import make_hf_checkpoint
 from vt.config import EngineConfig, ModelConfig
+from vt.kernels import get_backend
 from vt.kernels.arena import ArenaExhausted, aligned
 from vt.kernels.attention_plan import (
     MAX_KEY_SPLITS,
@@ -121,3 +122,23 @@ def test_start_refuses_step_memory_the_card_lacks_naming_the_flags(checkpoint: P
     cfg = EngineConfig(model=str(checkpoint), max_num_batched_tokens=65536, max_num_seqs=256)
     with pytest.raises(StartupMemoryError, match="--max-num-batched-tokens 65536.*--max-num-seqs 256"):
         ModelRunner(ModelConfig.from_dir(checkpoint), cfg, Card(), 512)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_takes_exactly_its_planned_arena(checkpoint: Path, size: int) -> None:
+    """Split over ranks, each rank's arena holds the whole residual stream, its own heads' and
+    MLP columns' activations, its vocabulary rows' logits and the gathered ones: the per-rank
+    plan, exactly, on every rank (the vocabulary divides by 2 and 4)."""
+    cfg = EngineConfig(model=str(checkpoint), device="cpu", max_num_batched_tokens=64, max_num_seqs=8,
+                       tensor_parallel_size=size)
+    ops = get_backend("cpu", size)
+    runner = ModelRunner(ModelConfig.from_dir(checkpoint), cfg, ops, 512)
+    runner.profile_run()
+    plan = runner.step_memory
+    assert plan == plan_step_memory(runner.model_cfg, 64, 8, size)
+    for rank in ops.ranks:
+        assert [aligned(rank.arena_high(i)) for i in range(2)] == [plan.arena_bytes] * 2
+    # One byte less on any one rank and the largest step cannot run.
+    ops.ranks[-1].ensure_workspace(ops.ranks[-1].arena_high(0) - 1)
+    with pytest.raises(ArenaExhausted, match="memory plan"):
+        runner.profile_run()

@@ -8,6 +8,10 @@ projection that reads it (qkv, gate_up) at load, the projection reads the residu
 is, and the op after it (the attention prologue, silu_mul) scales each row by the row's
 rsqrt(mean square); that per-row factor commutes with the GEMM. The residual adds happen in the
 output projections (o_proj, down) accumulating into the residual stream.
+
+Split over a tensor-parallel group (vt.model.shard), the same code runs on a rank group backend:
+heads, KV heads and MLP columns below are one rank's, and the group's linear_residual and logits
+do the all-reduce and the all-gather where the split needs them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import numpy as np
 
 from vt.config import ModelConfig
 from vt.kernels.base import Array, Backend
+from vt.kernels.rank_group import rank_count
 from vt.model.batch import ForwardBatch
+from vt.model.shard import TensorSplit, concat_rows
 
 
 @dataclass
@@ -35,17 +41,24 @@ class _Layer:
 
 
 class Transformer:
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend,
+                 tensor_parallel_size: int = 1) -> None:
+        """tensor_parallel_size > 1: ops is a rank group of that size (vt.kernels.rank_group) and
+        each rank gets its shard of every split tensor (vt.model.shard); dims below are a rank's."""
         self.cfg = cfg
         self.ops = ops
-        self.q_dim = cfg.num_heads * cfg.head_dim
-        self.kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.split = split = TensorSplit.of(cfg, tensor_parallel_size)
+        if rank_count(ops) != split.size:
+            raise ValueError(f"a {split.size}-way split needs a backend of {split.size} ranks, "
+                             f"got {rank_count(ops)}")
+        self.q_dim = split.heads * cfg.head_dim
+        self.kv_dim = split.kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-        def w(name: str) -> np.ndarray:
+        def w(name: str) -> Any:
             if name not in weights:
                 raise KeyError(f"weights are missing tensor {name!r}")
-            return weights[name]
+            return split.select(name, weights[name])
 
         # Upload tensor by tensor (and merge per layer) so at most one layer's merged copy
         # lives on the host at a time.
@@ -54,14 +67,13 @@ class Transformer:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = ops.upload(np.concatenate([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                             w(a + "v_proj.weight")], axis=0))
+            qkv = ops.upload(concat_rows([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
+                                          w(a + "v_proj.weight")]))
             qkv_bias = None
             if cfg.attention_bias:
-                qkv_bias = ops.upload(np.concatenate([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
-                                                      w(a + "v_proj.bias")], axis=0))
-            gate_up = ops.upload(np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")],
-                                                axis=0))
+                qkv_bias = ops.upload(concat_rows([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
+                                                   w(a + "v_proj.bias")]))
+            gate_up = ops.upload(concat_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
             ops.fold_norm_weight(qkv, ops.upload(w(p + "input_layernorm.weight")))
             ops.fold_norm_weight(gate_up, ops.upload(w(p + "post_attention_layernorm.weight")))
             self.layers.append(_Layer(
@@ -74,22 +86,26 @@ class Transformer:
                 down=ops.gemm_layout(ops.upload(w(p + "mlp.down_proj.weight"))),
             ))
         self.final_norm = ops.upload(w("model.norm.weight"))
-        self.lm_head = self.embed if cfg.tie_word_embeddings else ops.upload(w("lm_head.weight"))
+        tied = cfg.tie_word_embeddings
+        self.lm_head = split.lm_head_of(self.embed) if tied else ops.upload(w("lm_head.weight"))
         self.inv_freq = ops.from_host(cfg.inv_freq(), "f32")
 
     # ---- KV cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[Array, Array]]:
-        """One (k_cache, v_cache) pair per layer, each act[num_blocks, block_size, Hk, D]."""
+        """One (k_cache, v_cache) pair per layer, each act[num_blocks, block_size, Hk, D] (Hk: the
+        KV heads of one rank)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (num_blocks, block_size, self.split.kv_heads, self.cfg.head_dim)
         zeros = self.ops.zeros
         return [(zeros(shape, "act"), zeros(shape, "act")) for _ in range(self.cfg.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
-        """Bytes one KV block takes across all layers (K and V)."""
-        return block_size * cfg.kv_bytes_per_token(dtype_bytes)
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int,
+                           tensor_parallel_size: int = 1) -> int:
+        """Bytes one KV block takes across all layers (K and V), on each rank of the split."""
+        kv_heads = TensorSplit.of(cfg, tensor_parallel_size).kv_heads
+        return block_size * cfg.kv_bytes_per_token(dtype_bytes) // cfg.num_kv_heads * kv_heads
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: list[tuple[Array, Array]]) -> Any:
@@ -106,7 +122,7 @@ class Transformer:
         if len(kv) != cfg.num_layers:
             raise ValueError(f"kv has {len(kv)} layers, the model has {cfg.num_layers}")
         t = batch.input_ids.shape[0]
-        hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hq, hk, d = self.split.heads, self.split.kv_heads, cfg.head_dim
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         eps = cfg.rms_norm_eps
 
