@@ -150,6 +150,14 @@ def test_depth_two_samples_the_tokens_of_depth_one(runs) -> None:
     assert engine2.scheduler.num_preemptions_total > 0
 
 
+def test_guided_tokens_are_the_same_on_two_ranks(model_dir: Path, runs) -> None:
+    """Tensor parallelism keeps structured outputs exact: masks apply on every rank's gathered
+    logits, so two ranks sample one rank's tokens (depth 2, with preemption)."""
+    two_ranks, _ = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16,
+                                    tensor_parallel_size=2))
+    assert [t for t, _, _ in two_ranks] == [t for t, _, _ in runs["depth2"][0]]
+
+
 def test_free_requests_sample_as_if_alone(model_dir: Path, runs) -> None:
     """A guided request in the batch changes nothing for the others: the free requests of the
     mixed run equal a run of the free requests alone."""

@@ -35,7 +35,8 @@ _PER_RANK = frozenset({
     "zeros", "from_host", "copy_h2d", "scratch", "ensure_workspace",
     "embed", "rms_norm", "head_rms_norm", "linear", "gemm_layout", "fold_norm_weight", "rope",
     "write_kv", "qk_norm_rope_write_kv", "attention", "silu_mul", "gather_rows", "fill_from_last",
-    "log_softmax_topk", "penalize", "ban_tokens", "sample", "record_sampled",
+    "log_softmax_topk", "penalize", "ban_tokens", "sample", "record_sampled", "apply_token_bitmask",
+    "arena_reserve",
     "after", "record", "wait",
 })
 
