@@ -265,6 +265,13 @@ class AsyncEngine:
             self.kv_publisher.shutdown()
 
     @property
+    def idle(self) -> bool:
+        """No request held, no step in flight and no probe step pending: every KV block is the
+        prefix cache's or free."""
+        return (not self._states and not self._inflight and self._suspect is None
+                and not self.scheduler.has_unfinished())
+
+    @property
     def healthy(self) -> bool:
         return self.health_problem is None
 

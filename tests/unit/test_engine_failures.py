@@ -105,8 +105,8 @@ async def _assert_idle(app: OpenAIApp) -> None:
     engine = app.engine
 
     async def settle() -> None:
-        # after a failed step a probe step may still hold a block for a moment
-        while engine.scheduler.has_unfinished() or engine._states or engine.scheduler.kv_usage > 0:
+        # after a failed step, the step still in flight and then a probe step may hold a block
+        while not engine.idle or engine.scheduler.kv_usage > 0:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(settle(), TIMEOUT_S)
