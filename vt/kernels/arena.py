@@ -46,6 +46,18 @@ class ArenaLedger:
     def reset(self) -> None:
         self.offset = self.high = 0
 
-    def check_mark(self, mark: int, top: int) -> None:
+    @staticmethod
+    def _check_mark(mark: int, top: int) -> None:
         if not 0 <= mark <= top:
             raise ValueError(f"arena mark {mark} is not within 0..{top}")
+
+    def rewind(self, mark: int) -> None:
+        """Free everything handed out after mark (an offset taken earlier)."""
+        self._check_mark(mark, self.offset)
+        self.offset = mark
+
+    def reserve(self, mark: int) -> None:
+        """Hand out nothing below mark from now on."""
+        self._check_mark(mark, mark if self.nbytes is None else self.nbytes)
+        self.offset = max(self.offset, mark)
+        self.high = max(self.high, self.offset)

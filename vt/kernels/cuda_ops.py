@@ -60,7 +60,7 @@ def _bf16_bits(host: np.ndarray) -> np.ndarray:
 
 
 class _Arena:
-    """Bump allocator over one device buffer (vt.kernels.arena's ledger); reset() frees everything."""
+    """Bump allocator over one device buffer, its offsets kept by a vt.kernels.arena ledger."""
 
     def __init__(self, nbytes: int) -> None:
         self.buf = cupy.empty((nbytes,), dtype=np.uint8)
@@ -122,7 +122,7 @@ class CudaBackend:
         if workspace_bytes <= 0 or partials_bytes < 0:
             raise ValueError(f"workspace_bytes must be positive and partials_bytes >= 0, got "
                              f"{workspace_bytes}, {partials_bytes}")
-        self._tls = threading.local()  # per-thread active arena (cupy's current stream is per thread too)
+        self._tls = threading.local()  # per-thread open slot (cupy's current stream is per thread too)
         self._kernels = self._compile()
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int], int] = {}
@@ -785,16 +785,11 @@ class CudaBackend:
 
     def arena_reset(self, mark: int) -> None:
         """Free everything the active slot's arena handed out after `mark`."""
-        ledger = self._open_ledger("arena_reset")
-        ledger.check_mark(mark, ledger.offset)
-        ledger.offset = mark
+        self._open_ledger("arena_reset").rewind(mark)
 
     def arena_reserve(self, mark: int) -> None:
         """Hand out nothing below mark from now on (a replayed graph's buffers live there)."""
-        ledger = self._open_ledger("arena_reserve")
-        ledger.check_mark(mark, ledger.nbytes)
-        ledger.offset = max(ledger.offset, mark)
-        ledger.high = max(ledger.high, ledger.offset)
+        self._open_ledger("arena_reserve").reserve(mark)
 
     def after(self, i: int, j: int) -> None:
         si, sj = self._slot(i), self._slot(j)

@@ -152,19 +152,20 @@ class NumpyBackend:
             for x, b in zip((q, k, v), parts, strict=True):
                 x[...] = x / rms if b is None else x / rms + b.reshape(x.shape[1:])
         # CUDA's fused kernel works in place; only its three-op path allocates head-norm outputs.
-        with self._uncounted(prologue_fused(q.shape[2], q_norm, k_norm)):
+        fused = prologue_fused(q.shape[2], q_norm, k_norm)
+        with self._counting_into(None if fused else self._ledger()):
             norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                        v_cache, slot_mapping)
 
     @contextlib.contextmanager
-    def _uncounted(self, skip: bool = True) -> Iterator[None]:
-        ledger = self._ledger()
-        if skip:
-            self._tls.ledger = None
+    def _counting_into(self, ledger: ArenaLedger | None) -> Iterator[None]:
+        """Op outputs go to `ledger` (None: not counted) on this thread until the block ends."""
+        previous = self._ledger()
+        self._tls.ledger = ledger
         try:
             yield
         finally:
-            self._tls.ledger = ledger
+            self._tls.ledger = previous
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -281,17 +282,14 @@ class NumpyBackend:
     def arena_reset(self, mark: int | None) -> None:
         ledger = self._ledger()
         if ledger is not None and mark is not None:
-            ledger.check_mark(mark, ledger.offset)
-            ledger.offset = mark
+            ledger.rewind(mark)
 
     def arena_reserve(self, mark: int) -> None:
         """Hand out nothing below mark from now on (as CUDA's: a step resumed in a new slot
         context keeps what it took before)."""
         ledger = self._ledger()
         if ledger is not None:
-            ledger.check_mark(mark, ledger.nbytes if ledger.nbytes is not None else mark)
-            ledger.offset = max(ledger.offset, mark)
-            ledger.high = max(ledger.high, ledger.offset)
+            ledger.reserve(mark)
 
     def arena_high(self, i: int) -> int:
         """The furthest offset slot i's ledger reached in its last step (tests of the plan)."""
@@ -307,17 +305,9 @@ class NumpyBackend:
 
     def slot(self, i: int) -> contextlib.AbstractContextManager[None]:
         self._check_slot(i)  # at the call, as CUDA does, not only on entry
-        return self._open_slot(self._ledgers[i])
-
-    @contextlib.contextmanager
-    def _open_slot(self, ledger: ArenaLedger) -> Iterator[None]:
+        ledger = self._ledgers[i]
         ledger.reset()
-        previous = self._ledger()
-        self._tls.ledger = ledger
-        try:
-            yield
-        finally:
-            self._tls.ledger = previous
+        return self._counting_into(ledger)
 
     def after(self, i: int, j: int) -> None:
         self._check_slot(i)
