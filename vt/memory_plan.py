@@ -6,10 +6,11 @@ Each in-flight slot owns two fixed regions, reserved at start before the KV cach
   the arena at each layer), then the head's and the sampler's outputs. `step_arena_bytes` counts
   exactly those allocations, in the forward's order and alignment; the numpy backend keeps the
   same ledger at CUDA sizes, so every CPU run checks this count.
-- kernel scratch: what CUDA kernels keep between two launches of one op (split-key attention
-  partials, sampler partials). Attention chooses its key splits to fit the budget, so no
-  context length or batch shape can outgrow it; the budget only limits how far short grids are
-  spread over the chip.
+- split-key attention partials, which attention keeps between its kernel and the combine.
+  Attention chooses its key splits to fit the budget, so no context length or batch shape can
+  outgrow it; the budget only limits how far short grids are spread over the chip. (The split
+  sampler's partials, at most one per SM, are sized by the CUDA backend from the chip itself
+  and taken when it starts, before this plan is checked against free memory.)
 
 Split over a tensor-parallel group, each rank has its own arena and scratch, and the plan is one
 rank's: the residual stream in full, its own heads and MLP columns, its vocabulary rows' logits
@@ -39,7 +40,6 @@ ACT_BYTES = 2  # bf16 activations on CUDA; the numpy ledger counts them at this 
 # to spread its keys over the whole chip (a few MiB at 8B shapes); launches that would need more
 # take fewer splits.
 ATTENTION_PARTIALS_MAX = 64 << 20
-SAMPLER_SCRATCH = 64 << 10  # (score, id) partials of the split sampler: at most one per SM
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,10 @@ class StepMemory:
     seqs: int
     arena_bytes: int
     attention_partials_bytes: int
-    sampler_scratch_bytes: int
-
-    @property
-    def kernel_scratch_bytes(self) -> int:
-        return self.attention_partials_bytes + self.sampler_scratch_bytes
 
     @property
     def per_slot_bytes(self) -> int:
-        return self.arena_bytes + self.kernel_scratch_bytes
+        return self.arena_bytes + self.attention_partials_bytes
 
 
 def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
@@ -99,4 +94,4 @@ def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs:
                    attention_partial_bytes(MAX_KEY_SPLITS, tokens, heads, mc.head_dim))
     return StepMemory(tokens=tokens, seqs=seqs,
                       arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size),
-                      attention_partials_bytes=partials, sampler_scratch_bytes=SAMPLER_SCRATCH)
+                      attention_partials_bytes=partials)
