@@ -88,9 +88,8 @@ def config_for(row: Row, url: str, model_dir: str) -> BenchConfig:
         repeats=1, json_path=None, plot_path=None, progress=False)
 
 
-async def run_rows(url: str, model_dir: str, rows: list[Row], row_timeout: float,
+async def run_rows(url: str, model_dir: str, pool: list[int], rows: list[Row], row_timeout: float,
                    budget_s: float) -> list[dict]:
-    pool = pool_from_tokenizer(model_dir)
     results = []
     start = time.monotonic()
     for row in rows:
@@ -116,9 +115,9 @@ def figures(res: object) -> dict:
     return {"status": "ok", **{k: figs.get(k) for k in FIGURES}, "errors": res.summary.errors}
 
 
-async def long_context(url: str, model_dir: str, length: int, row_timeout: float) -> list[dict]:
+async def long_context(url: str, model_dir: str, pool: list[int], length: int,
+                       row_timeout: float) -> list[dict]:
     """One prompt of `length` tokens (60 out) alone, then again while 64 short requests decode."""
-    pool = pool_from_tokenizer(model_dir)
     alone = Row(length, 60, 0.0, 1, 1, "long")
     beside = Row(128, 512, 0.0, 128, 64, "decodes")
     out = []
@@ -189,9 +188,10 @@ def main() -> int:
         started = time.monotonic() - t0
         print(f"server up in {started:.1f} s: {shlex.join(srv.cmd)}", flush=True)
         print(HEADER, flush=True)
-        results = asyncio.run(run_rows(srv.url, args.model, rows, args.row_timeout, args.budget))
+        pool = pool_from_tokenizer(args.model)  # prompt token ids, read once for every row
+        results = asyncio.run(run_rows(srv.url, args.model, pool, rows, args.row_timeout, args.budget))
         if args.long:
-            results += asyncio.run(long_context(srv.url, args.model, args.long, args.row_timeout))
+            results += asyncio.run(long_context(srv.url, args.model, pool, args.long, args.row_timeout))
     args.out.mkdir(parents=True, exist_ok=True)
     title = f"## {args.label or args.model}: `vt serve {shlex.join(flags)}` (start-up {started:.0f} s)"
     (args.out / "matrix.md").write_text(title + "\n\n" + table(results) + "\n")

@@ -757,9 +757,9 @@ class OpenAIApp:
         return _json_body({"prompt": await self._prompts.run(work, len(tokens))})
 
     async def _health(self, req: HttpRequest) -> Response:
-        problem = self.engine.health_problem
         if self.draining:
             return Response(503, error_body("the server is shutting down", type="service_unavailable"))
+        problem = self.engine.health_problem
         if problem is None:
             return Response(200, b"")
         return Response(503, error_body(problem, type="service_unavailable"))
