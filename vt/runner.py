@@ -179,6 +179,22 @@ class _Pieces:
     high: int                                   # arena bytes the graphs' buffers take
 
 
+class _DecodeGraph:
+    """One padded decode size, captured in two parts: `forward` stages the inputs and runs the
+    model to `logits`, `sample` runs the sampler on them. A free step replays both back to back;
+    a guided step applies its masks to `logits` between them, possibly only once the previous
+    step's tokens are in (the forward already running), so guided rows keep the decode graph.
+    On CUDA `logits` is the captured buffer every replay rewrites; on numpy each forward replay
+    sets it."""
+
+    __slots__ = ("forward", "sample", "logits")
+
+    def __init__(self) -> None:
+        self.forward: Any = None
+        self.sample: Any = None
+        self.logits: Any = None
+
+
 @dataclass
 class _Plan:
     """Host-side facts about a launched step that the collector needs."""
@@ -233,7 +249,7 @@ class ModelRunner:
         self.mask_words = -(-vocab // 32)
         self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks, self.mask_words)
                       for _ in range(ops.num_slots())]
-        # slot -> (logits, arena offset) of a step whose sampler waits for its masks
+        # slot -> (logits or decode graph, arena offset) of a step whose sampler waits for its masks
         self._parked: dict[int, tuple[Any, int | None]] = {}
         self.num_blocks = self._size_kv()
         self.kv = self.model.allocate_kv(self.num_blocks, self.block_size)
@@ -249,12 +265,13 @@ class ModelRunner:
         self.prev_slot: int | None = None
         # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.pieces: dict[tuple[int, int], _Pieces] = {}
         self.graph_sizes = tuple(n for n in GRAPH_SIZES if n <= self.max_seqs)
         top = {self.max_tokens} if self.max_tokens <= PIECE_SIZES[-1] else set()
         self.piece_sizes = tuple(sorted({n for n in PIECE_SIZES if n < self.max_tokens} | top))
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
+        self.guided_routes: Counter = Counter()  # the same, for steps with guided rows
         self.deferred_samples = 0  # steps whose sampler waited for the previous step's tokens
         self.use_graphs = False  # capture_graphs() turns it on
         if ops.name == "cuda" and not cfg.enforce_eager:
@@ -518,16 +535,17 @@ class ModelRunner:
                 fill_masks(mask_rids, self._mask_view(buf, num_masks))
         plan = _Plan(sample_req, logprobs_k)
         # decode_only already excludes admissions, hence rows that need a penalty setup.
-        # Guided steps sample outside the decode graph: masks are uploaded and applied between
-        # the logits and the sampler (and may come only after the forward was launched).
+        # Guided rows keep the decode graph: their masks go between its forward and sampler parts.
         route, padded = "eager", 0
         if self.use_graphs:
-            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 and not num_masks \
+            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 \
                     and (padded := _padded(self.graph_sizes, nseq)):
                 route = "graph"
             elif self.pieces and (padded := _padded(self.piece_sizes, t)):
                 route = "pieces"
         self.routes[route] += 1
+        if num_masks:
+            self.guided_routes[route] += 1
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
                        route, padded, num_decodes, num_masks, tuple(mask_rids), deferred)
@@ -570,13 +588,16 @@ class ModelRunner:
         st, forward = job
         if forward is not None:
             forward.result()  # the forward failed: so does the step
-        logits, mark = self._parked.pop(st.slot)
-        ops = self.ops
+        parked, mark = self._parked.pop(st.slot)
+        ops, buf = self.ops, self.slots[st.slot]
         with ops.slot(st.slot):
             if mark is not None:
                 ops.arena_reserve(mark)  # the logits and the forward's outputs stay where they are
-            self._sample(self.slots[st.slot], logits, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban,
-                         st.num_masks)
+            if isinstance(parked, _DecodeGraph):
+                self._apply_masks(buf, parked.logits, st.num_masks)
+                parked.sample.replay()
+            else:
+                self._sample(buf, parked, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
             ops.record(st.slot)
 
     @staticmethod
@@ -595,7 +616,13 @@ class ModelRunner:
             self.prev_slot = slot
             if st.route == "graph":
                 self._pad_decode(buf, nseq, mb, st.padded)
-                self.graphs[(slot, st.padded)].replay()
+                graph = self.graphs[(slot, st.padded)]
+                graph.forward.replay()
+                if st.deferred:  # sample_deferred() brings the masks and replays the sampler
+                    self._parked[slot] = (graph, ops.arena_mark())
+                    return
+                self._apply_masks(buf, graph.logits, st.num_masks)
+                graph.sample.replay()
             else:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
@@ -639,10 +666,6 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
 
-    def _forward_sample(self, buf: _SlotBuffers, fb: ForwardBatch, nseq: int, logprobs_k: int,
-                        any_penalty: bool, any_ban: bool) -> None:
-        self._sample(buf, self.model.forward(fb, self.kv), nseq, logprobs_k, any_penalty, any_ban)
-
     def _sample(self, buf: _SlotBuffers, logits: Any, nseq: int, logprobs_k: int, any_penalty: bool,
                 any_ban: bool, num_masks: int = 0) -> None:
         ops = self.ops
@@ -652,12 +675,7 @@ class ModelRunner:
                          buf.frequency[1][:nseq], buf.repetition[1][:nseq])
         if any_ban:
             ops.ban_tokens(logits, buf.ban[1][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED))
-        if num_masks:
-            words = num_masks * self.mask_words
-            ops.copy_h2d(buf.bitmask[1][:words], buf.bitmask[0][:words])
-            ops.copy_h2d(buf.mask_rows[1][:num_masks], buf.mask_rows[0][:num_masks])
-            ops.apply_token_bitmask(logits, buf.bitmask[1][:words].reshape(num_masks, self.mask_words),
-                                    buf.mask_rows[1][:num_masks])
+        self._apply_masks(buf, logits, num_masks)
         ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
                          buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
         ops.record_sampled(self.last_tokens, self.out_counts, rows, ids)
@@ -667,6 +685,17 @@ class ModelRunner:
             ops.copy_d2h(buf.out_logprob[:nseq], lp)
             ops.copy_d2h(buf.out_top_ids[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_ids)
             ops.copy_d2h(buf.out_top_lp[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_lp)
+
+    def _apply_masks(self, buf: _SlotBuffers, logits: Any, num_masks: int) -> None:
+        """Upload the step's staged bitmasks and apply them to their rows' logits, in place (no
+        arena memory: it may run between captured parts)."""
+        if not num_masks:
+            return
+        ops, words = self.ops, num_masks * self.mask_words
+        ops.copy_h2d(buf.bitmask[1][:words], buf.bitmask[0][:words])
+        ops.copy_h2d(buf.mask_rows[1][:num_masks], buf.mask_rows[0][:num_masks])
+        ops.apply_token_bitmask(logits, buf.bitmask[1][:words].reshape(num_masks, self.mask_words),
+                                buf.mask_rows[1][:num_masks])
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------
     def _replay_pieces(self, buf: _SlotBuffers, st: _Launch, pieces: _Pieces) -> Any:
@@ -724,18 +753,25 @@ class ModelRunner:
             with self.ops.slot(slot):
                 for size in self.graph_sizes:
                     self._pad_decode(buf, 0, 1, size)
-                    self.graphs[(slot, size)] = self.ops.capture(slot, self._graph_fn(buf, size))
+                    self.graphs[(slot, size)] = self._capture_decode(slot, size)
             # numpy ops return fresh arrays instead of rewriting captured ones, so nothing
             # could run between replayed pieces there: those steps stay eager.
             if self.ops.name == "cuda":
                 for size in self.piece_sizes:
                     self.pieces[(slot, size)] = self._capture_pieces(slot, size)
 
-    def _graph_fn(self, buf: _SlotBuffers, size: int) -> Any:
-        def run() -> None:
+    def _capture_decode(self, slot: int, size: int) -> _DecodeGraph:
+        buf, graph = self.slots[slot], _DecodeGraph()
+
+        def forward() -> None:
             fb = self._stage(buf, size, size, self.max_blocks, 1, self.max_model_len)
-            self._forward_sample(buf, fb, size, 0, False, False)
-        return run
+            graph.logits = self.model.forward(fb, self.kv)
+
+        def sample() -> None:
+            self._sample(buf, graph.logits, size, 0, False, False)
+
+        graph.forward, graph.sample = self.ops.capture_parts(slot, (forward, sample))
+        return graph
 
     def _pad_decode(self, buf: _SlotBuffers, nseq: int, mb: int, size: int) -> None:
         """Rows nseq..size-1 become harmless: no KV write, one context token, no sampler row."""

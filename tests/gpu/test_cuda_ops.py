@@ -963,3 +963,65 @@ def test_captured_step_replays_with_new_inputs_equal_to_eager(cb, rng):
         got_logits = cb.to_host(captured_logits)
         np.testing.assert_array_equal(got_logits, want_logits)  # same kernels, same cuBLAS path
         np.testing.assert_array_equal(out_host, want_ids)
+
+
+def test_two_part_capture_takes_a_mask_between_its_parts(cb, rng):
+    """capture_parts: a step captured as a forward part and a sampler part, with the token
+    bitmask applied uncaptured between the replays (as guided decode steps run), samples what
+    the eager step with the same mask samples, and only allowed tokens."""
+    v, h, t = 300, 256, 8
+    words = -(-v // 32)
+    table = act(cb, rng.standard_normal((v, h)))
+    norm_w = act(cb, rng.random(h) + 0.5)
+    lm = act(cb, rng.standard_normal((v, h)) * 0.05)
+    ids = cb.zeros((t,), "i32")
+    mask = cb.zeros((t, words), "i32")
+    rows = cb.from_host(np.arange(t), "i32")
+    pinned = cb.pinned_empty((t,), np.int32)
+    mask_host = cb.pinned_empty((t, words), np.int32)
+    out_host = cb.pinned_empty((t,), np.int32)
+    fields = ((np.zeros(t), "f32"), (np.zeros(t), "i32"), (np.ones(t), "f32"), (np.zeros(t), "f32"),
+              (np.arange(t), "i64"), (np.zeros(t), "i32"))
+    greedy = [cb.from_host(a, k) for a, k in fields]  # temperature 0: argmax of the allowed tokens
+    result = {}
+
+    def forward():
+        y, _ = cb.rms_norm(cb.embed(ids, table), norm_w, 1e-6, None)
+        result["logits"] = cb.logits(y, lm)
+
+    def sample():
+        result["ids"] = cb.sample(result["logits"], *greedy)
+
+    parts = cb.capture_parts(0, (forward, sample))
+    assert len(parts) == 2
+    captured = dict(result)
+
+    def step(slot, new_ids, bits, replay):
+        pinned[:] = new_ids
+        mask_host[:] = bits
+        with cb.slot(slot):
+            cb.copy_h2d(ids, pinned)
+            if replay:
+                parts[0].replay()
+            else:
+                forward()
+            cb.copy_h2d(mask, mask_host)
+            cb.apply_token_bitmask((captured if replay else result)["logits"], mask, rows)
+            if replay:
+                parts[1].replay()
+            else:
+                sample()
+            cb.copy_d2h(out_host, (captured if replay else result)["ids"])
+            cb.record(slot)
+        cb.wait(slot)
+        return out_host.copy()
+
+    for _ in range(3):
+        new = rng.integers(0, v, t).astype(np.int32)
+        bits = rng.integers(-(2**31), 2**31, (t, words), dtype=np.int64).astype(np.int32)
+        want = step(1, new, bits, replay=False)
+        poison(cb, 0)
+        got = step(0, new, bits, replay=True)
+        np.testing.assert_array_equal(got, want)
+        allowed = (bits.view(np.uint32)[np.arange(t), got // 32] >> (got % 32).astype(np.uint32)) & 1
+        assert allowed.all()

@@ -175,6 +175,11 @@ def test_upload_upcasts_bf16_and_plumbing_is_trivial():
     graph.replay()
     graph.replay()
     assert calls == [1, 1]
+    parts = ops.capture_parts(0, (lambda: calls.append(2), lambda: calls.append(3)))
+    assert calls == [1, 1] and len(parts) == 2
+    parts[1].replay()
+    parts[0].replay()
+    assert calls == [1, 1, 3, 2]
     assert ops.num_slots() == 2 and ops.done(1)
     with ops.slot(1):
         ops.after(1, 0)

@@ -97,10 +97,12 @@ async def _tokens(stream) -> list[int]:
     return [t async for out in stream for t in out.token_ids]
 
 
-async def _run(model_dir: Path, **engine_args: object) -> tuple[list[tuple[list[int], str, str]],
-                                                                 AsyncEngine]:
+async def _run(model_dir: Path, graphs: bool = False,
+               **engine_args: object) -> tuple[list[tuple[list[int], str, str]], AsyncEngine]:
     engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=16, **engine_args))
     await engine.start()
+    if graphs:
+        engine.runner.capture_graphs()  # as on CUDA: decode steps replay the captured decode graph
     try:
         work = _workload(engine.tokenizer)
         for spec in GRAMMARS.values():
@@ -129,6 +131,7 @@ def runs(model_dir: Path) -> dict[str, tuple[list, AsyncEngine]]:
     return {name: asyncio.run(_run(model_dir, **args)) for name, args in (
         ("depth2", {"async_scheduling": True, **small}),
         ("depth1", {"async_scheduling": False, **small}),
+        ("depth2-graphs", {"async_scheduling": True, "graphs": True, **small}),
     )}
 
 
@@ -150,11 +153,22 @@ def test_depth_two_samples_the_tokens_of_depth_one(runs) -> None:
     assert engine2.scheduler.num_preemptions_total > 0
 
 
-def test_guided_tokens_are_the_same_on_two_ranks(model_dir: Path, runs) -> None:
+def test_guided_rows_keep_the_decode_graph(runs) -> None:
+    """With graphs, decode steps with guided rows replay the decode graph's two parts, the masks
+    applied between them (after the previous step's tokens, at depth 2), and sample depth 1's
+    tokens."""
+    graphs, engine = runs["depth2-graphs"]
+    assert [t for t, _, _ in graphs] == [t for t, _, _ in runs["depth1"][0]]
+    assert engine.runner.guided_routes["graph"] > 20, engine.runner.guided_routes
+    assert engine.runner.deferred_samples > 20
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_guided_tokens_are_the_same_on_two_ranks(model_dir: Path, runs, graphs: bool) -> None:
     """Tensor parallelism keeps structured outputs exact: masks apply on every rank's gathered
     logits, so two ranks sample one rank's tokens (depth 2, with preemption)."""
-    two_ranks, _ = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16,
-                                    tensor_parallel_size=2))
+    two_ranks, _ = asyncio.run(_run(model_dir, graphs, async_scheduling=True, num_gpu_blocks=40,
+                                    block_size=16, tensor_parallel_size=2))
     assert [t for t, _, _ in two_ranks] == [t for t, _, _ in runs["depth2"][0]]
 
 

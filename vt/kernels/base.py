@@ -208,6 +208,12 @@ class Backend(Protocol):
         object with .replay() that re-runs the same work on slot i's stream; numpy returns an
         object whose replay() calls fn()."""
 
+    def capture_parts(self, i: int, parts: Any) -> list[Any]:
+        """Capture the callables `parts` in order as one piece of work split into replayables,
+        one per part (like capture(); outputs a part leaves in the arena stay where they are
+        for the next), so that uncaptured work that takes no arena memory can run between
+        their replays. numpy: objects whose replay() calls each part."""
+
 
 def prologue_fused(head_dim: int, q_norm: Array | None, k_norm: Array | None) -> bool:
     """Whether CUDA's qk_norm_rope_write_kv runs as one kernel (in place) or as its three ops,

@@ -6,8 +6,8 @@ the pool and a captured graph sees the same pointers on every replay; outside an
 ops allocate plainly from CuPy's pool (tests, setup).
 
 Beyond base.Backend: arena_reserve(mark) on the active slot's arena, capture_pieces() (a
-capture cut into graphs that uncaptured launches run between), and the dtype "i64" in
-zeros/from_host (sampler seeds).
+capture cut into graphs that uncaptured launches run between; capture_parts() cuts it between
+given callables), and the dtype "i64" in zeros/from_host (sampler seeds).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cupy
@@ -820,6 +820,17 @@ class CudaBackend:
             finally:
                 graph = s.stream.end_capture()
         return _Graph(graph, s.stream)
+
+    def capture_parts(self, i: int, parts: Sequence[Callable[[], Any]]) -> list[_Graph]:
+        """capture_pieces() with a cut between consecutive parts: one graph per part."""
+        def run(cut: Callable[[], None]) -> None:
+            for k, part in enumerate(parts):
+                if k:
+                    cut()
+                part()
+
+        graphs, _ = self.capture_pieces(i, run)
+        return graphs
 
     def capture_pieces(self, i: int, fn: Callable[[Callable[[], None]], Any]) -> tuple[list[_Graph], int]:
         """fn(cut) runs once under capture on slot i, like capture(); each cut() closes the graph

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -326,3 +326,7 @@ class NumpyBackend:
     def capture(self, i: int, fn: Callable[[], Any]) -> _Replay:
         self._check_slot(i)
         return _Replay(fn)
+
+    def capture_parts(self, i: int, parts: Sequence[Callable[[], Any]]) -> list[_Replay]:
+        self._check_slot(i)
+        return [_Replay(part) for part in parts]

@@ -146,6 +146,9 @@ class RankGroup:
         """numpy ranks replay by calling fn again, which drives every rank."""
         return self.ranks[0].capture(i, fn)
 
+    def capture_parts(self, i: int, parts: Sequence[Callable[[], Any]]) -> list[Any]:
+        return self.ranks[0].capture_parts(i, parts)
+
     def arena_mark(self) -> Ranked | None:
         marks = [rank.arena_mark() for rank in self.ranks]
         return None if any(m is None for m in marks) else Ranked(marks)
