@@ -68,7 +68,7 @@ def test_200_json_schema_requests_on_cuda_all_validate(model_dir: Path, async_sc
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
     assert all(reason == "length" for _, reason in results[200:])
-    assert engine.runner.routes["pieces"] > 0  # guided steps sample outside the decode graph
+    assert engine.runner.guided_routes["graph"] > 0  # masks go between the decode graph's parts
     assert (engine.runner.deferred_samples > 0) == async_scheduling
 
 
