@@ -23,7 +23,7 @@ from vt.engine import AsyncEngine
 from vt.kernels import numpy_sampling
 from vt.model.make_model import make_model, training_corpus
 from vt.sampling import SamplingParams
-from vt.structured.compiler import GrammarError
+from vt.structured.compiler import MASK_THREADS, GrammarCompiler, GrammarError
 from vt.structured.spec import GrammarSpec, StructuredOutput
 from vt.tokenizer import Tokenizer
 
@@ -265,3 +265,31 @@ def test_the_grammar_applies_from_the_gate_token_on(model_dir: Path) -> None:
         assert toks[:cut] == before[:cut]
         assert re.fullmatch(REGEX, tokenizer.decode(toks[cut:])), tokenizer.decode(toks[cut:])
     assert reached >= 16
+
+
+def test_mask_rows_follow_their_guides_across_template_shards(model_dir: Path) -> None:
+    """Requests are dealt in turn to the compiled grammar's independent templates (one per mask
+    thread), and a step's masks, filled grouped by template, land in their own rows: each row
+    equals the mask of its guide filled alone, whatever its template and state."""
+    text = (model_dir / "tokenizer.json").read_text()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(lambda: text, vocab, ())
+    structured = StructuredOutput(GRAMMARS["json"])
+    guides = [compiler.guide(structured) for _ in range(3 * MASK_THREADS)]
+    assert [g.shard for g in guides] == [i % MASK_THREADS for i in range(len(guides))]
+    masks = np.zeros((len(guides), compiler.mask_words), np.int32)
+    alone = np.zeros((1, compiler.mask_words), np.int32)
+    rng = np.random.default_rng(3)
+    try:
+        for step in range(10):
+            compiler.fill_masks(guides, masks)
+            for i, g in enumerate(guides):
+                compiler.fill_masks([g], alone)
+                np.testing.assert_array_equal(masks[i], alone[0])
+            for i, g in enumerate(guides):  # rows drift apart: every third one waits a step
+                if (i + step) % 3:
+                    bits = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:vocab]
+                    assert g.advance(int(rng.choice(np.flatnonzero(bits)))) is None
+        assert len({m.tobytes() for m in masks}) > 1  # the rows' states differ
+    finally:
+        compiler.shutdown()

@@ -12,11 +12,12 @@ from typing import Any
 
 
 class Guide:
-    __slots__ = ("matcher", "waiting_for")
+    __slots__ = ("matcher", "waiting_for", "shard")
 
-    def __init__(self, matcher: Any, start_after: int | None = None) -> None:
+    def __init__(self, matcher: Any, start_after: int | None = None, shard: int = 0) -> None:
         self.matcher = matcher
         self.waiting_for = start_after  # the grammar applies once this token has been generated
+        self.shard = shard  # which of the grammar's templates the matcher was copied from
 
     @property
     def active(self) -> bool:
