@@ -82,14 +82,16 @@ for s in $steps; do
       done ;;
     structured)  # the bitmask kernel, guided serving on CUDA, and the JSON-schema share table (0.6B shapes)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_cuda.py \
-        tests/gpu/test_cuda_ops.py -k "bitmask or structured or json or regex" 2>&1 | tail -5 \
+        tests/gpu/test_cuda_ops.py -k "bitmask or structured or json or regex or two_part" 2>&1 | tail -5 \
         | tee "$OUT/structured_tests.log"
       VT_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_structured_outputs.py \
         2>&1 | tail -10 | tee -a "$OUT/structured_tests.log"
       test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
       timeout 590 python3 bench/structured_outputs.py --model /tmp/q06 --device cuda --num-prompts 512 \
         --max-concurrency 128 --output-len 256 --server-args='--max-model-len 2048' --out "$OUT/structured" \
-        2>&1 | tail -12 | tee "$OUT/structured.log" ;;
+        2>&1 | tail -12 | tee "$OUT/structured.log"
+      timeout 200 python3 bench/mask_fill.py --rows 32,128 --threads 1,4,8 2>&1 | tail -9 \
+        | tee "$OUT/mask_fill.log" ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B
