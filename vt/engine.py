@@ -11,13 +11,15 @@ N samples. When N+1 is launched before N's tokens are here, the runner runs N+1'
 holds its sampler back; as soon as N is processed (its tokens advanced every guide), the engine
 hands N+1 its masks and the sampler runs. The masks are the ones depth 1 would compute, the
 forward still overlaps the host's work, and the other rows of the batch sample in the same
-launch (docs/structured_outputs.md).
+launch (docs/structured_outputs.md). Processing N advances the guides first; the masks are then
+filled on a grammar thread while the loop detokenizes and streams N's tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import random
@@ -218,6 +220,8 @@ class AsyncEngine:
                                       max_waiting=config.max_waiting, max_banned=MAX_BANNED,
                                       eos_token_ids=self.eos_token_ids)
         self._suspect: BaseException | None = None  # a step failed: a probe step tells whose fault
+        # the next step's masks, being filled while a step is processed (never held across an await)
+        self._masks: tuple[StepHandle, concurrent.futures.Future] | None = None
         self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
                                         self.eos_token_ids)
         self.kv_publisher = None
@@ -250,6 +254,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._inflight:
+            self._sample_deferred()  # joins masks a crashed loop may have left filling
         for h in self._inflight:
             self.runner.sample_deferred(h, self._fill_masks)
             try:
@@ -374,11 +380,30 @@ class AsyncEngine:
         self.grammars.fill_masks([s.guide if (s := states.get(rid)) is not None else None
                                   for rid in request_ids], out)
 
+    def _start_masks(self, rejected: set[str]) -> None:
+        """Every guide has seen the step just taken: start filling the masks of the next step, if
+        it waits for them, on a grammar thread while the loop processes the rest (a guide that
+        rejected its token gets every token: that request ends and its token is dropped)."""
+        h = self._inflight[0] if self._inflight else None
+        if h is None or not h.awaiting_masks:
+            return
+        rids, out = self.runner.deferred_masks(h)
+        states = self._states
+        guides = [s.guide if (s := states.get(rid)) is not None and rid not in rejected else None
+                  for rid in rids]
+        self._masks = (h, self.grammars.fill_masks_async(guides, out))
+
     def _sample_deferred(self) -> None:
         """The step after the one just processed may wait for its masks: they can be computed
-        now, since every guide has seen the processed step's tokens."""
-        if self._inflight and self._inflight[0].awaiting_masks:
-            self.runner.sample_deferred(self._inflight[0], self._fill_masks)
+        now, since every guide has seen the processed step's tokens (or were started then)."""
+        if not (self._inflight and self._inflight[0].awaiting_masks):
+            return
+        h, started = self._inflight[0], self._masks
+        self._masks = None
+        if started is not None and started[0] is h:
+            self.runner.sample_deferred(h, lambda _rids, _out: started[1].result())
+        else:
+            self.runner.sample_deferred(h, self._fill_masks)
 
     # ---- the scheduler coroutine -------------------------------------------------------------
     async def _run(self) -> None:
@@ -535,12 +560,26 @@ class AsyncEngine:
         append_token, states, stats = self.scheduler.append_token, self._states, self._stats
         itl = stats.inter_token_latency_seconds
         finish = self._finish
+        # First every token is appended and advances its guide, so that the next step's masks
+        # can be filled while the rest of this step is processed (which then reads no matcher:
+        # the mask thread holds them).
+        taken = []
+        rejected: dict[str, str] = {}
+        grammar_done: set[str] = set()
         for tok in out.sampled:
-            token_id = tok.token_id
-            req = append_token(tok.request_id, token_id)
+            req = append_token(tok.request_id, tok.token_id)
             state = states.get(tok.request_id)
             if req is None or state is None or state.finished:
                 continue  # the extra step after a finish: dropped
+            taken.append((tok, req, state))
+            if (guide := state.guide) is not None:
+                if (why := guide.advance(tok.token_id)) is not None:
+                    rejected[tok.request_id] = why
+                elif guide.finished:
+                    grammar_done.add(tok.request_id)
+        self._start_masks(set(rejected))
+        for tok, req, state in taken:
+            token_id = tok.token_id
             stats.generation_tokens_total += 1
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -555,10 +594,9 @@ class AsyncEngine:
             num_out = len(req.output_token_ids)
             detok = state.detok
             text = detok.push(token_id)
-            guide = state.guide
-            if guide is not None and (rejected := guide.advance(token_id)) is not None:
+            if (why := rejected.get(req.request_id)) is not None:
                 finish(state, RequestStatus.FINISHED_ABORTED, "error", None, text, (token_id,), lp,
-                       error=f"structured output failed: {rejected}")
+                       error=f"structured output failed: {why}")
             elif token_id in state.stop_ids and num_out > params.min_tokens:
                 reason = None if token_id in self.eos_token_ids and token_id not in \
                     params.stop_token_ids else token_id
@@ -569,7 +607,7 @@ class AsyncEngine:
             elif num_out >= req.max_tokens:
                 finish(state, RequestStatus.FINISHED_LENGTH, "length", None, text + detok.flush(),
                        (token_id,), lp)
-            elif guide is not None and guide.finished:  # the grammar admits nothing more: as EOS
+            elif req.request_id in grammar_done:  # the grammar admits nothing more: as EOS
                 finish(state, RequestStatus.FINISHED_STOPPED, "stop", None, text + detok.flush(),
                        (token_id,), lp)
             else:

@@ -562,6 +562,14 @@ class ModelRunner:
     def _mask_view(self, buf: _SlotBuffers, rows: int) -> np.ndarray:
         return buf.bitmask[0][: rows * self.mask_words].reshape(rows, self.mask_words)
 
+    def deferred_masks(self, h: StepHandle) -> tuple[tuple[str, ...], np.ndarray]:
+        """The request ids of a step awaiting its masks and the buffer their masks go to, in
+        that order (what sample_deferred's filler gets)."""
+        st = h.deferred
+        if st is None:
+            raise ValueError(f"step {h.step_id} does not wait for masks")
+        return st.mask_rids, self._mask_view(self.slots[st.slot], st.num_masks)
+
     def sample_deferred(self, h: StepHandle, fill_masks: MaskFiller) -> None:
         """Fill the masks of a step launched without its sampler and launch the sampler (never
         waits for the device). Call it once the step before h has been processed; a failure

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -151,6 +152,23 @@ def test_depth_two_samples_the_tokens_of_depth_one(runs) -> None:
     assert engine2.runner.deferred_samples > 20
     assert engine1.runner.deferred_samples == 0
     assert engine2.scheduler.num_preemptions_total > 0
+
+
+def test_deferred_masks_fill_off_the_event_loop(model_dir: Path, runs, monkeypatch) -> None:
+    """At depth 2 the masks of a step waiting for them are filled on the mask thread while the
+    loop processes the step before; the tokens stay depth 1's."""
+    threads: list[str] = []
+    fill = GrammarCompiler.fill_masks
+
+    def recording(self, guides, out) -> None:
+        threads.append(threading.current_thread().name)
+        fill(self, guides, out)
+
+    monkeypatch.setattr(GrammarCompiler, "fill_masks", recording)
+    results, engine = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16))
+    assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
+    off_loop = sum(name.startswith("vt-masks") for name in threads)
+    assert off_loop == engine.runner.deferred_samples > 20, (off_loop, len(threads))
 
 
 def test_guided_rows_keep_the_decode_graph(runs) -> None:

@@ -138,6 +138,7 @@ class GrammarCompiler:
         self._tokenizer: concurrent.futures.Future | None = None
         self._mask_executor: Any = None
         self._next_shard = 0  # the shard the next request's guide is dealt to
+        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._wide: np.ndarray | None = None  # masks of a tokenizer larger than the model's vocabulary
 
     @property
@@ -264,13 +265,25 @@ class GrammarCompiler:
         for _, i in work:
             out[i] = wide[i, : out.shape[1]]
 
+    def fill_masks_async(self, guides: Sequence[Guide | None], out: np.ndarray) -> concurrent.futures.Future:
+        """fill_masks() on the mask thread (llguidance releases the GIL while it fills, so the
+        caller's thread goes on); the future's result() waits for it or raises its error."""
+        with self._lock:
+            if self._mask_thread is None:
+                self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-masks")
+            return self._mask_thread.submit(self.fill_masks, guides, out)
+
     def shutdown(self) -> None:
-        """Stop the compile threads; what was compiled stays cached, a later compile starts them again."""
+        """Stop the compile and mask threads; what was compiled stays cached, a later compile (or
+        fill) starts them again."""
         with self._lock:
             pool, self._pool = self._pool, None
+            masks, self._mask_thread = self._mask_thread, None
             if self._tokenizer is not None and not self._tokenizer.done():
                 self._tokenizer = None
             for spec in [k for k, f in self._cache.items() if not f.done()]:
                 del self._cache[spec]
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        if masks is not None:
+            masks.shutdown(wait=True)  # a fill writes into a step's buffer: let it end
