@@ -117,8 +117,10 @@ async def test_chat_template_is_bounded_and_off_the_loop(monkeypatch, render, ex
     err, ticks = await ticking(prep.render_chat([{"role": "user", "content": "hi"}], True))
     assert isinstance(err, ProtocolError) and err.param == "messages", err
     assert expect in str(err)
-    if render in (_spin_forever, _grow_forever):
-        assert ticks >= 3  # the loop kept turning while the template ran
+    if render is _spin_forever:  # a second of template: the loop kept turning (~95 turns of 5 ms)
+        assert ticks >= 20, ticks
+    if render is _grow_forever:  # it reaches the bound in a few tens of ms
+        assert ticks >= 3, ticks
     assert sys.gettrace() is None  # the tracer lived in the worker thread only
 
 
