@@ -109,6 +109,28 @@ class Process:
         return "".join(self.lines[-200:])
 
 
+HEALTH_CHECK_TIMEOUT_S = 2
+RETRY_FIRST_BACKOFF_MS, RETRY_BACKOFF_FACTOR, RETRY_MAX_BACKOFF_MS, RETRY_JITTER = 100, 1.5, 1000, 0.2
+
+
+def retry_args(health_check_interval_s: int) -> tuple[str, ...]:
+    """vllm-router retry flags whose backoffs add up to more than one failed health check (the
+    interval, its timeout and a second more). A replica that drains answers 503 at once, but the
+    router keeps routing to it until a health check fails; cache-aware routing may pick it again
+    on every retry, so a shorter budget (the router's default is about 0.7 s) can fail a request
+    in that window."""
+    budget_ms = (health_check_interval_s + HEALTH_CHECK_TIMEOUT_S + 1) * 1000
+    retries, total, backoff = 0, 0.0, float(RETRY_FIRST_BACKOFF_MS)
+    while total * (1 - RETRY_JITTER) < budget_ms:  # the router's jitter may shorten each wait
+        total += backoff
+        backoff = min(backoff * RETRY_BACKOFF_FACTOR, RETRY_MAX_BACKOFF_MS)
+        retries += 1
+    return ("--retry-max-retries", str(retries + 1),  # the router counts the first attempt
+            "--retry-initial-backoff-ms", str(RETRY_FIRST_BACKOFF_MS),
+            "--retry-backoff-multiplier", str(RETRY_BACKOFF_FACTOR),
+            "--retry-max-backoff-ms", str(RETRY_MAX_BACKOFF_MS), "--retry-jitter-factor", str(RETRY_JITTER))
+
+
 @dataclass(frozen=True)
 class ReplicaSetConfig:
     model: str
@@ -184,7 +206,8 @@ class ReplicaSet:
                # health checks every second: a dead or draining replica leaves the rotation fast
                "--health-check-interval-secs", str(self.cfg.health_check_interval_s),
                "--health-failure-threshold", "1", "--health-success-threshold", "1",
-               "--health-check-timeout-secs", "2",
+               "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT_S),
+               *retry_args(self.cfg.health_check_interval_s),
                "--prometheus-host", self.cfg.host, "--prometheus-port", str(free_port(self.cfg.host)),
                "--log-level", "warning", *self.cfg.router_args]
         router = Process(f"router-{policy}", cmd, dict(os.environ), self.cfg.echo)

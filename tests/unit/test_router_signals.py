@@ -93,3 +93,20 @@ async def test_draining_turns_health_and_new_requests_503_at_once() -> None:
     # what a balancer reads still works while draining
     assert (await call(app, "GET", "/metrics")).status == 200
     assert (await call(app, "GET", "/load")).status == 200
+
+
+def test_router_retries_outlast_a_failed_health_check() -> None:
+    """A draining replica answers 503 until the router's next health check drops it: the retry
+    flags `vt replicas` gives the router wait longer than one check (interval and timeout), even
+    with every backoff cut short by the router's jitter."""
+    from vt.replicas import HEALTH_CHECK_TIMEOUT_S, retry_args
+
+    for interval in (1, 3, 10):
+        args = dict(zip(retry_args(interval)[::2], retry_args(interval)[1::2]))
+        factor, cap = float(args["--retry-backoff-multiplier"]), float(args["--retry-max-backoff-ms"])
+        waits, wait = [], float(args["--retry-initial-backoff-ms"])
+        for _ in range(int(args["--retry-max-retries"]) - 1):  # the first attempt counts
+            waits.append(wait)
+            wait = min(wait * factor, cap)
+        shortest = sum(waits) * (1 - float(args["--retry-jitter-factor"]))
+        assert shortest > (interval + HEALTH_CHECK_TIMEOUT_S) * 1000, (interval, args)
