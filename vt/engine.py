@@ -25,7 +25,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -376,9 +376,13 @@ class AsyncEngine:
     def _fill_masks(self, request_ids: Sequence[str], out: np.ndarray) -> None:
         """The runner's MaskFiller: each request's allowed tokens now (all tokens for a request
         that has finished meanwhile: its token is dropped anyway)."""
+        self.grammars.fill_masks(self._guides(request_ids), out)
+
+    def _guides(self, request_ids: Sequence[str], unguided: Container[str] = ()) -> list[Guide | None]:
+        """Each request's guide; None (every token allowed) for one that is gone or in `unguided`."""
         states = self._states
-        self.grammars.fill_masks([s.guide if (s := states.get(rid)) is not None else None
-                                  for rid in request_ids], out)
+        return [s.guide if (s := states.get(rid)) is not None and rid not in unguided else None
+                for rid in request_ids]
 
     def _start_masks(self, rejected: set[str]) -> None:
         """Every guide has seen the step just taken: start filling the masks of the next step, if
@@ -388,10 +392,7 @@ class AsyncEngine:
         if h is None or not h.awaiting_masks:
             return
         rids, out = self.runner.deferred_masks(h)
-        states = self._states
-        guides = [s.guide if (s := states.get(rid)) is not None and rid not in rejected else None
-                  for rid in rids]
-        self._masks = (h, self.grammars.fill_masks_async(guides, out))
+        self._masks = (h, self.grammars.fill_masks_async(self._guides(rids, rejected), out))
 
     def _sample_deferred(self) -> None:
         """The step after the one just processed may wait for its masks: they can be computed

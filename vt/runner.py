@@ -577,11 +577,12 @@ class ModelRunner:
         st = h.deferred
         if st is None:
             return
+        rids, masks = self.deferred_masks(h)
         h.deferred = None
         self.deferred_samples += 1
         forward = h.future  # numpy: the forward's job; the sampler's job checks its outcome
         try:
-            fill_masks(st.mask_rids, self._mask_view(self.slots[st.slot], st.num_masks))
+            fill_masks(rids, masks)
             if self.ops.name == "numpy":
                 h.future = self.worker.submit(self._timed, self._resume_sample, (st, forward))
                 return
@@ -597,15 +598,11 @@ class ModelRunner:
         if forward is not None:
             forward.result()  # the forward failed: so does the step
         parked, mark = self._parked.pop(st.slot)
-        ops, buf = self.ops, self.slots[st.slot]
+        ops = self.ops
         with ops.slot(st.slot):
             if mark is not None:
                 ops.arena_reserve(mark)  # the logits and the forward's outputs stay where they are
-            if isinstance(parked, _DecodeGraph):
-                self._apply_masks(buf, parked.logits, st.num_masks)
-                parked.sample.replay()
-            else:
-                self._sample(buf, parked, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
+            self._sample_forward(self.slots[st.slot], st, parked)
             ops.record(st.slot)
 
     @staticmethod
@@ -622,29 +619,34 @@ class ModelRunner:
             if self.prev_slot is not None and self.prev_slot != slot:
                 ops.after(slot, self.prev_slot)
             self.prev_slot = slot
+            forward: Any  # the decode graph, its forward replayed, or the logits
             if st.route == "graph":
                 self._pad_decode(buf, nseq, mb, st.padded)
-                graph = self.graphs[(slot, st.padded)]
-                graph.forward.replay()
-                if st.deferred:  # sample_deferred() brings the masks and replays the sampler
-                    self._parked[slot] = (graph, ops.arena_mark())
-                    return
-                self._apply_masks(buf, graph.logits, st.num_masks)
-                graph.sample.replay()
+                forward = self.graphs[(slot, st.padded)]
+                forward.forward.replay()
             else:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
                 if st.route == "pieces":
-                    logits = self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
+                    forward = self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
                 else:
                     fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len,
                                      st.num_decodes)
-                    logits = self.model.forward(fb, self.kv)
-                if st.deferred:  # sample_deferred() brings the masks and launches the rest
-                    self._parked[slot] = (logits, ops.arena_mark())
-                    return
-                self._sample(buf, logits, nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
+                    forward = self.model.forward(fb, self.kv)
+            if st.deferred:  # sample_deferred() brings the masks and launches the sampler
+                self._parked[slot] = (forward, ops.arena_mark())
+                return
+            self._sample_forward(buf, st, forward)
             ops.record(slot)
+
+    def _sample_forward(self, buf: _SlotBuffers, st: _Launch, forward: Any) -> None:
+        """The sampler of a step whose forward ran: the decode graph's sampler part after the
+        masks, or the sampler on the logits."""
+        if isinstance(forward, _DecodeGraph):
+            self._apply_masks(buf, forward.logits, st.num_masks)
+            forward.sample.replay()
+        else:
+            self._sample(buf, forward, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
                max_seq_len: int, num_decodes: int = 0) -> ForwardBatch:
