@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vt.kernels import numpy_sampling
+from vt.kernels.attention_plan import PREFILL_TILINGS
 from vt.kernels.numpy_ops import NumpyBackend
 
 pytestmark = pytest.mark.gpu
@@ -398,6 +399,38 @@ def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
         dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
         out = cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, max(q_lens), max(ctx_lens))
         got = cb.to_host(out)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d",
+    [
+        ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # chunked prefill beside a decode
+        ([2048], [2048], 32, 8, 128),  # one long prompt: many row tiles, causal
+        ([70, 33], [70, 100], 4, 4, 64),  # head dim 64, no GQA
+        ([37, 5], [900, 5], 16, 2, 64),  # group 8, a chunk deep in its context
+        ([64, 200], [3000, 200], 32, 8, 128),  # few blocks: split keys and their combine
+    ],
+)
+def test_attention_prefill_tilings(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d):
+    """Every prefill tiling (attention_plan.PREFILL_TILINGS) against numpy; tests/cuda_sim
+    checks the same kernels on the host, this on the device."""
+    bs = 16
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
+    scale = d**-0.5
+    args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
+    ref = nb.attention(q, kc, vc, *args)
+    before = cb.prefill_tiling
+    cb.prefill_tiling = tiling
+    try:
+        poison(cb)
+        with cb.slot(0):
+            dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+            out = cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, max(q_lens), max(ctx_lens))
+            got = cb.to_host(out)
+    finally:
+        cb.prefill_tiling = before
     assert rel_err(got, ref) < BF16_TOL
 
 

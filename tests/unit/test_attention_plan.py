@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from vt.kernels.attention_plan import TC_MAX_CACHE_ELEMS, attention_kernel, key_splits
+from vt.kernels.attention_plan import (
+    PREFILL_TILINGS,
+    TC_MAX_CACHE_ELEMS,
+    attention_kernel,
+    key_splits,
+    tc_smem,
+)
 
 
 def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one():
@@ -18,11 +24,28 @@ def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one
     assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 5, 128)[:3] == ("attention_tc_d128_prefill", True, 1)  # 20 rows
     assert attention_kernel(2, 1000, 64)[:3] == ("attention_tc_d64_prefill", True, 32)
-    name, tensor_cores, _, _ = attention_kernel(8, 3, 256)  # no tensor-core kernel for 256
-    assert (name, tensor_cores) == ("attention_r4", False)
+    k = attention_kernel(8, 3, 256)  # no tensor-core kernel for 256
+    assert (k.name, k.tensor_cores) == ("attention_r4", False)
     # a cache past the tensor-core kernels' 32-bit offsets (16-byte units) takes the CUDA cores
     assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS - 8)[0] == "attention_tc_d128_decode8"
     assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS)[:2] == ("attention_r1", False)
+
+
+def test_prefill_tilings_size_their_blocks():
+    """A 128-row tiling halves the row tiles; each launch's threads and shared memory are the
+    tiling's (m2 adds its staged Q rows to two K/V stages)."""
+    r64 = attention_kernel(4, 1000, 128)
+    w8 = attention_kernel(4, 1000, 128, prefill="w8")
+    m2 = attention_kernel(4, 1000, 128, prefill="m2")
+    assert (r64.name, r64.row_tiles, r64.threads) == ("attention_tc_d128_prefill", 63, 128)
+    assert (w8.name, w8.row_tiles, w8.threads, w8.smem) == ("attention_tc_d128_prefill_w8", 32, 256, r64.smem)
+    assert (m2.name, m2.row_tiles, m2.threads) == ("attention_tc_d128_prefill_m2", 32, 128)
+    assert m2.smem == tc_smem(128, 2) + 128 * 136 * 2
+    # decode rows keep their kernels whatever the prefill tiling
+    for t in PREFILL_TILINGS:
+        assert attention_kernel(4, 1, 128, prefill=t).name == "attention_tc_d128_decode8"
+    # two m2 blocks fit an SM's shared memory (228 KB, 1 KB reserved a block)
+    assert 2 * (m2.smem + 1024) <= 228 * 1024
 
 
 @pytest.mark.parametrize("blocks", [8, 256, 512, 1024, 2048, 3000])

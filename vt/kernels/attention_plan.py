@@ -4,6 +4,7 @@ so the rules are testable anywhere)."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from vt.kernels.arena import ALIGN, aligned
 
@@ -12,34 +13,69 @@ TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
 MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
 
 
-def tc_smem(d: int, stages: int) -> int:
+def tc_smem(d: int, stages: int, q_rows: int = 0) -> int:
     """Dynamic shared memory of a tensor-core attention block: `stages` 64-key K and V tiles
-    (rows padded by 8 elements) and their cache row offsets."""
-    return stages * (2 * 64 * (d + 8) * 2 + 64 * 4)
+    (rows padded by 8 elements) and their cache row offsets, then q_rows staged Q rows."""
+    return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q_rows * (d + 8) * 2
+
+
+class PrefillTiling(NamedTuple):
+    """How the tensor-core kernel tiles prompts (attention_tc.cu): rows of a block, its
+    threads, K/V stages in flight, and whether Q is staged in shared memory."""
+
+    suffix: str
+    rows: int
+    threads: int
+    stages: int
+    q_in_smem: bool
+
+
+# r64: four warps of 16 rows (the default, measured on the H200). w8: eight warps of 16 rows,
+# half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
+# half the fragment loads a product, two blocks an SM. The 128-row tilings are built and checked
+# (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a benchmark.
+PREFILL_TILINGS: dict[str, PrefillTiling] = {
+    "r64": PrefillTiling("prefill", 64, 128, TC_STAGES, False),
+    "w8": PrefillTiling("prefill_w8", 128, 256, TC_STAGES, False),
+    "m2": PrefillTiling("prefill_m2", 128, 128, 2, True),
+}
+DEFAULT_PREFILL_TILING = "r64"
+
+
+class AttnKernel(NamedTuple):
+    """One attention launch's kernel and shape: grid x is row_tiles, blocks have `threads`."""
+
+    name: str
+    tensor_cores: bool
+    row_tiles: int
+    smem: int
+    threads: int
 
 
 TC_MAX_CACHE_ELEMS = 8 * 0xFFFFFFFF  # the tensor-core kernels address the cache in 32-bit 16-byte units
 
 
-def attention_kernel(group: int, max_query_len: int, d: int,
-                     cache_elems: int = 0) -> tuple[str, bool, int, int]:
-    """(kernel, tensor cores?, row tiles, dynamic smem bytes) for sequences of up to max_query_len
-    tokens, rows = tokens x GQA group per kv head. Head dims 64 and 128 run on tensor cores:
-    8-row transposed tiles when every sequence has at most 8 rows (decode with groups up to 8),
-    16-row tiles up to 16 rows, both with four warps sharing out the keys; 64-row tiles otherwise.
-    A K (or V) cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores."""
+def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 0,
+                     prefill: str = DEFAULT_PREFILL_TILING) -> AttnKernel:
+    """The kernel for sequences of up to max_query_len tokens, rows = tokens x GQA group per kv
+    head. Head dims 64 and 128 run on tensor cores: 8-row transposed tiles when every sequence
+    has at most 8 rows (decode with groups up to 8), 16-row tiles up to 16 rows, both with four
+    warps sharing out the keys; the `prefill` tiling (PREFILL_TILINGS) otherwise. A K (or V)
+    cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores."""
     rows = max_query_len * group
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
         smem = tc_smem(d, TC_STAGES)
         if rows <= 8:
-            return f"attention_tc_d{d}_decode8", True, 1, smem
-        decode = rows <= 16
-        kernel = f"attention_tc_d{d}_{'decode' if decode else 'prefill'}"
-        return kernel, True, -(-rows // (16 if decode else 64)), smem
+            return AttnKernel(f"attention_tc_d{d}_decode8", True, 1, smem, 128)
+        if rows <= 16:
+            return AttnKernel(f"attention_tc_d{d}_decode", True, 1, smem, 128)
+        t = PREFILL_TILINGS[prefill]
+        return AttnKernel(f"attention_tc_d{d}_{t.suffix}", True, -(-rows // t.rows),
+                          tc_smem(d, t.stages, t.rows if t.q_in_smem else 0), t.threads)
     r = 1 if rows <= 4 else 2 if rows <= 8 else 4
     half = d // 2
     smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
-    return f"attention_r{r}", False, -(-rows // (4 * r)), smem
+    return AttnKernel(f"attention_r{r}", False, -(-rows // (4 * r)), smem, 128)
 
 
 def key_splits(blocks: int, resident: int, max_seq_len: int, max_splits: int = MAX_KEY_SPLITS) -> int:

@@ -15,48 +15,6 @@
 // TC_STAGES (key tiles in flight per block) is defined by cuda_ops from attention_plan.TC_STAGES,
 // which also sizes the shared memory.
 
-__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-    unsigned int a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16-byte global -> shared copy; zero-fills when !pred (src must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(unsigned int* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned int* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-// c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col).
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16 pair, round to nearest even, first in the low half (hardware convert).
-__device__ __forceinline__ unsigned int pack2_rn(float lo, float hi) {
-    unsigned int r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // The kernels' parameters (one contract for every tiling; cuda_ops passes them in this order).
 #define ATTN_TC_PARAMS                                                                                   \
     const bf16_t *__restrict__ q, int q_stride, const bf16_t *__restrict__ k_cache,                     \
@@ -74,11 +32,11 @@ __device__ __forceinline__ unsigned int pack2_rn(float lo, float hi) {
 // issuing never waits on a block-table read and a copy is a shared load, an add and the cp.async.
 // Every step commits one copy group, empty or not, so "all but the newest STAGES - 2 groups
 // done" always means "the current tile has landed".
-template <int D, int STAGES>
+template <int D, int STAGES, int NT = 128>
 struct KvPipe {
     static constexpr int SROW = D + 8;      // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
     static constexpr int PARTS = D / 8;     // 16-byte pieces of one key's head row
-    static constexpr int TPP = 128 / PARTS; // keys per copy pass of the block
+    static constexpr int TPP = NT / PARTS;  // keys per copy pass of the block's NT threads
     static constexpr unsigned int NONE = 0xffffffffu;
     bf16_t* kv_s;                           // [STAGES][K|V][TC_KT][SROW]
     unsigned int* off_s;                    // [STAGES][TC_KT]
@@ -88,6 +46,8 @@ struct KvPipe {
     int block_size, hk, kh, kv_end, tile0, tile1;
 
     static constexpr size_t KV_BYTES = (size_t)STAGES * 2 * TC_KT * SROW * sizeof(bf16_t);
+    static constexpr size_t BYTES = KV_BYTES + (size_t)STAGES * TC_KT * sizeof(unsigned int);
+    static_assert(NT >= TC_KT && TC_KT % TPP == 0, "a copy pass covers whole keys of the tile");
     __device__ const bf16_t* k_tile(int tile) const {
         return kv_s + (size_t)((tile - tile0) % STAGES) * 2 * TC_KT * SROW;  // its V tile follows
     }
@@ -188,6 +148,52 @@ __device__ __forceinline__ void merge_key_warps(const float* red_o, const float*
     }
 }
 
+// Scores of 16 rows (a: g, b: g + 8 of the m-tile) over 8 * NS keys from kbase, masked
+// causally, through the online softmax: updates (m, l), rescales o, and leaves P as the bf16
+// A fragments of the P.V product (pa[n]: n-tile n's rows a, b).
+template <int NS, int DN>
+__device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
+                                               float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
+                                               float (&o)[DN][4], unsigned int (&pa)[NS][2]) {
+    float mx_a = -VT_INF, mx_b = -VT_INF;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        const int k0 = kbase + n * 8 + 2 * c;
+        s[n][0] = k0 <= pos_a ? s[n][0] * scale_log2 : -VT_INF;
+        s[n][1] = k0 + 1 <= pos_a ? s[n][1] * scale_log2 : -VT_INF;
+        s[n][2] = k0 <= pos_b ? s[n][2] * scale_log2 : -VT_INF;
+        s[n][3] = k0 + 1 <= pos_b ? s[n][3] * scale_log2 : -VT_INF;
+        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    // A row with no visible key yet keeps m = -inf: use 0 as the base so exp2 gives 0, not NaN.
+    const float base_a = mn_a == -VT_INF ? 0.f : mn_a, base_b = mn_b == -VT_INF ? 0.f : mn_b;
+    const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
+        const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
+        sum_a += p0 + p1;
+        sum_b += p2 + p3;
+        pa[n][0] = pack2_rn(p0, p1);
+        pa[n][1] = pack2_rn(p2, p3);
+    }
+    l_a = l_a * corr_a + sum_a;
+    l_b = l_b * corr_b + sum_b;
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+        o[n][0] *= corr_a; o[n][1] *= corr_a; o[n][2] *= corr_b; o[n][3] *= corr_b;
+    }
+}
+
 template <int D, int RW, int KW, int STAGES>
 __device__ __forceinline__ void attention_tc_body(
     ATTN_TC_PARAMS) {
@@ -262,44 +268,8 @@ __device__ __forceinline__ void attention_tc_body(
                 }
             }
             // Mask, then the online softmax update of rows a (c0, c1) and b (c2, c3).
-            float mx_a = -VT_INF, mx_b = -VT_INF;
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                const int k0 = kbase + n * 8 + 2 * c;
-                s[n][0] = k0 <= pos_a ? s[n][0] * scale_log2 : -VT_INF;
-                s[n][1] = k0 + 1 <= pos_a ? s[n][1] * scale_log2 : -VT_INF;
-                s[n][2] = k0 <= pos_b ? s[n][2] * scale_log2 : -VT_INF;
-                s[n][3] = k0 + 1 <= pos_b ? s[n][3] * scale_log2 : -VT_INF;
-                mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-                mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-            }
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-            const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-            // A row with no visible key yet keeps m = -inf: use 0 as the base so exp2 gives 0, not NaN.
-            const float base_a = mn_a == -VT_INF ? 0.f : mn_a, base_b = mn_b == -VT_INF ? 0.f : mn_b;
-            const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
-            m_a = mn_a;
-            m_b = mn_b;
-            float sum_a = 0.f, sum_b = 0.f;
             unsigned int pa[NS][2];
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
-                const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
-                sum_a += p0 + p1;
-                sum_b += p2 + p3;
-                pa[n][0] = pack2_rn(p0, p1);
-                pa[n][1] = pack2_rn(p2, p3);
-            }
-            l_a = l_a * corr_a + sum_a;
-            l_b = l_b * corr_b + sum_b;
-#pragma unroll
-            for (int n = 0; n < DN; ++n) {
-                o[n][0] *= corr_a; o[n][1] *= corr_a; o[n][2] *= corr_b; o[n][3] *= corr_b;
-            }
+            softmax_m_tile<NS, DN>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, o, pa);
             // O += P V: P's score fragments are already the A fragments of k-steps of 16 keys.
 #pragma unroll
             for (int kk = 0; kk < NS / 2; ++kk) {
@@ -368,10 +338,173 @@ __device__ __forceinline__ void attention_tc_body(
     }
 }
 
-__device__ __forceinline__ unsigned int movmatrix_t(unsigned int a) {
-    unsigned int d;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
-    return d;
+// Prefill on tiles of 16 * MT * NW rows: NW warps, each owning MT m-tiles of 16 consecutive rows
+// and streaming every key of the block's K/V tiles. Against the 64-row tiling above, a 128-row
+// tile halves the K/V bytes each row costs (L2 reads, cp.async, barriers), and MT = 2 also reads
+// each K and V fragment from shared memory once for two m-tiles, half the ldmatrix traffic per
+// mma. With MT = 2 the Q fragments would not fit in registers beside two m-tiles' accumulators:
+// Q is staged in shared memory once ([ROWS][D + 8], after the pipe) and read a k-step at a time.
+// The softmax steps over KSUB keys of the tile at a time: 32 keeps two m-tiles' scores of head
+// dim 128 in registers without spilling.
+template <int D, int NW, int MT, int STAGES, int KSUB>
+__device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
+    constexpr int NT = 32 * NW;
+    constexpr int ROWS = 16 * MT * NW;
+    using Pipe = KvPipe<D, STAGES, NT>;
+    constexpr int SROW = Pipe::SROW;
+    constexpr int NS = KSUB / 8;   // score n-tiles of an m-tile in one softmax step
+    constexpr int DK = D / 16;     // k-steps over the head dim
+    constexpr int DN = D / 8;      // output n-tiles
+    constexpr bool Q_SMEM = MT > 1;
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, TC_KT, true);
+    if (ab.row0 >= ab.nrows) return;
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    const int tile0 = ab.tile0, tile1 = ab.tile1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3, mi = lane >> 3, mr = lane & 7;
+
+    // This warp's rows start at wr0; m-tile t holds rows wr0 + 16 t + (g, g + 8).
+    const int wr0 = row0 + warp * 16 * MT;
+    int pos[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        const int ra = wr0 + 16 * t + g, rb = ra + 8;
+        pos[t][0] = ra < nrows ? ctx - qlen + ra / group : -1;
+        pos[t][1] = rb < nrows ? ctx - qlen + rb / group : -1;
+    }
+    const int wlast = min(wr0 + 16 * MT - 1, nrows - 1);
+    const int warp_pos = wlast >= wr0 ? ctx - qlen + wlast / group : -1;
+
+    const Pipe pipe{reinterpret_cast<bf16_t*>(smem), reinterpret_cast<unsigned int*>(smem + Pipe::KV_BYTES),
+                    k_cache, v_cache, block_tables + (size_t)b * max_blocks, block_size, hk, kh, kv_end, tile0, tile1};
+    pipe.start((ctx - qlen) / TC_KT);  // returns after the grid dependency: q is written
+
+    bf16_t* q_s = reinterpret_cast<bf16_t*>(smem + Pipe::BYTES);  // [ROWS][SROW] when Q_SMEM
+    unsigned int qa[Q_SMEM ? 1 : DK][4];
+    if constexpr (Q_SMEM) {
+        // Every thread stages words of Q; the first advance()'s barrier publishes them.
+        for (int e = threadIdx.x; e < ROWS * (D / 2); e += NT) {
+            const int lr = e / (D / 2), w = e % (D / 2), r = row0 + lr;
+            unsigned int v = 0u;
+            if (r < nrows)
+                v = reinterpret_cast<const unsigned int*>(
+                    q + (size_t)(q0 + r / group) * q_stride + (size_t)(kh * group + r % group) * D)[w];
+            reinterpret_cast<unsigned int*>(q_s + lr * SROW)[w] = v;
+        }
+    } else {
+        const int ra = wr0 + g, rb = ra + 8;
+        const bf16_t* pa_ = q + (size_t)(q0 + ra / group) * q_stride + (size_t)(kh * group + ra % group) * D;
+        const bf16_t* pb_ = q + (size_t)(q0 + rb / group) * q_stride + (size_t)(kh * group + rb % group) * D;
+#pragma unroll
+        for (int ks = 0; ks < DK; ++ks) {
+            const int col = ks * 16 + 2 * c;
+            qa[ks][0] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa_ + col) : 0u;
+            qa[ks][1] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb_ + col) : 0u;
+            qa[ks][2] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa_ + col + 8) : 0u;
+            qa[ks][3] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb_ + col + 8) : 0u;
+        }
+    }
+
+    float o[MT][DN][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+        for (int n = 0; n < DN; ++n) { o[t][n][0] = 0.f; o[t][n][1] = 0.f; o[t][n][2] = 0.f; o[t][n][3] = 0.f; }
+        m[t][0] = -VT_INF; m[t][1] = -VT_INF; l[t][0] = 0.f; l[t][1] = 0.f;
+    }
+
+    for (int tile = tile0; tile < tile1; ++tile) {
+        pipe.advance(tile);
+#pragma unroll 1
+        for (int sub = 0; sub < TC_KT / KSUB; ++sub) {
+            const int kbase = tile * TC_KT + sub * KSUB;
+            if (kbase > warp_pos) break;  // this and later keys are after the warp's last row
+            const bf16_t* ks = pipe.k_tile(tile) + sub * KSUB * SROW;
+            const bf16_t* vs = pipe.k_tile(tile) + (TC_KT + sub * KSUB) * SROW;
+            // S = Q K^T: each K fragment serves the warp's MT m-tiles.
+            float s[MT][NS][4];
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int n = 0; n < NS; ++n) { s[t][n][0] = 0.f; s[t][n][1] = 0.f; s[t][n][2] = 0.f; s[t][n][3] = 0.f; }
+#pragma unroll
+            for (int ks_i = 0; ks_i < DK; ++ks_i) {
+                unsigned int qf[MT][4];
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    if constexpr (Q_SMEM) {
+                        ldsm_x4(qf[t], q_s + (warp * 16 * MT + 16 * t + (lane & 15)) * SROW + ks_i * 16 + (lane >> 4) * 8);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) qf[t][i] = qa[ks_i][i];
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NS; n += 2) {
+                    unsigned int kb[4];
+                    ldsm_x4(kb, ks + (n * 8 + (mi >> 1) * 8 + mr) * SROW + ks_i * 16 + (mi & 1) * 8);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t) {
+                        mma_bf16(s[t][n], qf[t], kb[0], kb[1]);
+                        mma_bf16(s[t][n + 1], qf[t], kb[2], kb[3]);
+                    }
+                }
+            }
+            unsigned int pa[MT][NS][2];
+#pragma unroll
+            for (int t = 0; t < MT; ++t)
+                softmax_m_tile<NS, DN>(s[t], kbase, c, pos[t][0], pos[t][1], scale_log2, m[t][0], m[t][1],
+                                       l[t][0], l[t][1], o[t], pa[t]);
+            // O += P V: P's score fragments are already the A fragments of k-steps of 16 keys.
+#pragma unroll
+            for (int kk = 0; kk < NS / 2; ++kk) {
+#pragma unroll
+                for (int n = 0; n < DN; n += 2) {
+                    unsigned int vb[4];
+                    ldsm_x4_t(vb, vs + (kk * 16 + (mi & 1) * 8 + mr) * SROW + n * 8 + (mi >> 1) * 8);
+#pragma unroll
+                    for (int t = 0; t < MT; ++t) {
+                        const unsigned int a[4] = {pa[t][2 * kk][0], pa[t][2 * kk][1], pa[t][2 * kk + 1][0],
+                                                   pa[t][2 * kk + 1][1]};
+                        mma_bf16(o[t][n], a, vb[0], vb[1]);
+                        mma_bf16(o[t][n + 1], a, vb[2], vb[3]);
+                    }
+                }
+            }
+        }
+    }
+    pipe.finish();
+
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+        for (int half_i = 0; half_i < 2; ++half_i) {
+            float ll = l[t][half_i];
+            // Row sums were kept per thread; the four threads of a quad share a row.
+            ll += __shfl_xor_sync(0xffffffffu, ll, 1);
+            ll += __shfl_xor_sync(0xffffffffu, ll, 2);
+            const int r = wr0 + 16 * t + g + 8 * half_i;
+            if (r >= nrows) continue;
+            const int tok = q0 + r / group, h = kh * group + r % group;
+            if (num_splits == 1) {
+                const float inv = ll > 0.f ? 1.f / ll : 0.f;
+                unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)tok * hq + h) * D);
+#pragma unroll
+                for (int n = 0; n < DN; ++n)
+                    orow[n * 4 + c] = pack2(o[t][n][2 * half_i] * inv, o[t][n][2 * half_i + 1] * inv);
+            } else {
+                const size_t prow = ((size_t)split * total_tokens + tok) * hq + h;
+                float2* po = reinterpret_cast<float2*>(part_o + prow * D);
+#pragma unroll
+                for (int n = 0; n < DN; ++n) po[n * 4 + c] = make_float2(o[t][n][2 * half_i], o[t][n][2 * half_i + 1]);
+                if (c == 0) { part_ml[prow * 2] = m[t][half_i]; part_ml[prow * 2 + 1] = ll; }
+            }
+        }
+    }
 }
 
 // Decode with at most 8 rows per kv head (a GQA group of up to 8, or a few tokens of a smaller
@@ -523,3 +656,15 @@ ATTENTION_TC_ENTRY(attention_tc_d128_decode, 128, 1, 4, TC_STAGES)
 
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8, 64, TC_STAGES)
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES)
+
+// Prefill tilings of 128 rows (attention_plan.PREFILL_TILINGS): eight warps of one m-tile, or
+// four warps of two m-tiles with Q in shared memory and two K/V stages (two blocks an SM).
+#define ATTENTION_TC_PREFILL_ENTRY(NAME, D, NW, MT, STAGES, KSUB)                                \
+    extern "C" __global__ void __launch_bounds__(32 * NW) NAME(ATTN_TC_PARAMS) {                   \
+        attention_tc_prefill_body<D, NW, MT, STAGES, KSUB>(ATTN_TC_ARGS);                          \
+    }
+
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_w8, 64, 8, 1, TC_STAGES, 64)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_w8, 128, 8, 1, TC_STAGES, 64)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_m2, 64, 4, 2, 2, 64)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_m2, 128, 4, 2, 2, 32)

@@ -13,7 +13,7 @@ given callables), and the dtype "i64" in zeros/from_host (sampler seeds).
 from __future__ import annotations
 
 import contextlib
-import importlib.resources
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,9 +24,10 @@ import numpy as np
 
 from vt.kernels.arena import ArenaLedger, aligned
 from vt.kernels.attention_plan import (
+    DEFAULT_PREFILL_TILING,
     MAX_KEY_SPLITS,
+    PREFILL_TILINGS,
     TC_HEAD_DIMS,
-    TC_STAGES,
     attention_kernel,
     attention_partial_bytes,
     key_splits,
@@ -35,10 +36,10 @@ from vt.kernels.attention_plan import (
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
+from vt.kernels.sources import KERNEL_FILES, translation_unit
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
-_KERNEL_FILES = ("elementwise.cu", "attention.cu", "attention_tc.cu", "sampling.cu")
 _ATTN_SMEM_MAX = 200 * 1024
 _GREEDY_EPS = 1e-5
 _SAMPLE_SPLIT_MIN = 16384  # fewest logits per block when a sampler row is split
@@ -118,18 +119,24 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
-                 partials_bytes: int = 64 << 20) -> None:
+                 partials_bytes: int = 64 << 20, prefill_tiling: str | None = None) -> None:
         if workspace_bytes <= 0 or partials_bytes < 0:
             raise ValueError(f"workspace_bytes must be positive and partials_bytes >= 0, got "
                              f"{workspace_bytes}, {partials_bytes}")
+        # Which tensor-core tiling prompts run on (attention_plan.PREFILL_TILINGS); the
+        # environment picks one for benchmarks that start vt as a server.
+        self.prefill_tiling = prefill_tiling or os.environ.get("VT_PREFILL_TILING") or DEFAULT_PREFILL_TILING
+        if self.prefill_tiling not in PREFILL_TILINGS:
+            raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} is not one of "
+                             f"{sorted(PREFILL_TILINGS)}")
         self._tls = threading.local()  # per-thread open slot (cupy's current stream is per thread too)
         self._kernels = self._compile()
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._occupancy: dict[tuple[str, int], int] = {}
+        self._occupancy: dict[tuple[str, int, int], int] = {}
         for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
             for q_len in (1, 16, 64):
-                kernel, _, _, smem = attention_kernel(1, q_len, d)
-                self._resident_blocks(kernel, smem)
+                k = attention_kernel(1, q_len, d, prefill=self.prefill_tiling)
+                self._resident_blocks(k.name, k.smem, k.threads)
         self._dependent = DependentLauncher.open()
         lib = load_libcublas()
         new_gemm = lambda: CublasGemm(lib, cupy.empty((cublas_workspace_bytes,), dtype=np.uint8))
@@ -141,14 +148,9 @@ class CudaBackend:
 
     # ---- compilation ----------------------------------------------------------------------
     def _compile(self) -> dict[str, Any]:
-        pkg = importlib.resources.files("vt.kernels")
-        common = pkg.joinpath("cuda_common.cu").read_text()
         kernels: dict[str, Any] = {}
-        for fname in _KERNEL_FILES:
-            defines = f"#define TC_STAGES {TC_STAGES}\n" if fname == "attention_tc.cu" else ""
-            module = cupy.RawModule(
-                code=common + "\n" + defines + pkg.joinpath(fname).read_text(), options=("-std=c++17",)
-            )
+        for fname in KERNEL_FILES:
+            module = cupy.RawModule(code=translation_unit(fname), options=("-std=c++17",))
             module.compile()
             kernels[fname] = module
         names = {
@@ -169,7 +171,7 @@ class CudaBackend:
             "attention_tc.cu": tuple(
                 f"attention_tc_d{d}_{kind}"
                 for d in TC_HEAD_DIMS
-                for kind in ("prefill", "decode", "decode8")
+                for kind in ("decode", "decode8", *(t.suffix for t in PREFILL_TILINGS.values()))
             ),
             "sampling.cu": (
                 "log_softmax_topk_k",
@@ -187,12 +189,12 @@ class CudaBackend:
             getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
         return fns
 
-    def _resident_blocks(self, kernel: str, smem: int) -> int:
-        """How many 128-thread blocks of `kernel` the whole chip runs at once (cached)."""
-        key = (kernel, smem)
+    def _resident_blocks(self, kernel: str, smem: int, threads: int = 128) -> int:
+        """How many blocks of `kernel` the whole chip runs at once (cached)."""
+        key = (kernel, smem, threads)
         if key not in self._occupancy:
             per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self._function(kernel).ptr,
-                                                                                 128, smem)
+                                                                                 threads, smem)
             self._occupancy[key] = max(1, per_sm) * self._num_sms
         return self._occupancy[key]
 
@@ -576,10 +578,12 @@ class CudaBackend:
                            follows_kv_write=follows_kv_write)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
                                   scale, max_query_len, max_seq_len, out)
-        kernel, tensor_cores, row_tiles, smem = attention_kernel(hq // hk, max_query_len, d, k_cache.size)
+        plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling)
+        kernel, tensor_cores, row_tiles, smem, threads = plan
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
         cap = max_splits_within(part_buf.nbytes, t, hq, d) if part_buf is not None else MAX_KEY_SPLITS
-        splits = key_splits(row_tiles * hk * b, self._resident_blocks(kernel, smem), max_seq_len, cap)
+        resident = self._resident_blocks(kernel, smem, threads)
+        splits = key_splits(row_tiles * hk * b, resident, max_seq_len, cap)
         if splits > 1:
             if part_buf is None:  # outside a step (tests, setup): from the pool
                 part_buf = cupy.empty((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
@@ -594,7 +598,7 @@ class CudaBackend:
         tail = (_i32(bs), scale_log2, _i32(splits))
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
-        launch(kernel, (row_tiles, hk, b * splits), (128,), args, shared_mem=smem)
+        launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
         if splits > 1:
             self._launch(
                 "attention_combine_k",

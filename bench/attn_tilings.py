@@ -1,0 +1,94 @@
+"""Prefill attention on each tensor-core tiling (attention_plan.PREFILL_TILINGS), side by side:
+time, TFLOP/s, and the output's relative difference from the default tiling's.
+
+Shapes are Qwen3-8B's and Qwen3-0.6B's attention (head dim 128, 8 kv heads, 32 or 16 q heads):
+one prompt alone (2k, 8k), a 2048-token chunk at the end of an 8k context (chunked prefill), and
+four 1k prompts in one step. Each launch is timed as kernel_bench times ops (graph replays).
+
+    python3 bench/attn_tilings.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import cupy
+import numpy as np
+from kernel_bench import act, time_op  # bench/ is this script's sys.path[0]
+
+from vt.kernels.attention_plan import DEFAULT_PREFILL_TILING, PREFILL_TILINGS
+from vt.kernels.cuda_ops import CudaBackend
+
+BS = 16
+D = 128
+
+
+def causal_flops(q_lens: list[int], ctx_lens: list[int], hq: int) -> float:
+    """QK^T and PV over the keys each query row sees (itself and everything before it)."""
+    total = 0
+    for q, c in zip(q_lens, ctx_lens):
+        first = c - q + 1  # keys seen by the chunk's first row
+        total += q * first + q * (q - 1) // 2
+    return 4.0 * hq * D * total
+
+
+def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
+             ctx_lens: list[int]) -> list[dict]:
+    hk = 8
+    blocks = [-(-c // BS) for c in ctx_lens]
+    kc, vc = act(sum(blocks), BS, hk, D), act(sum(blocks), BS, hk, D)
+    q = act(sum(q_lens), hq, D)
+    table = np.zeros((len(q_lens), max(blocks)), np.int32)
+    perm = rng.permutation(sum(blocks))
+    at = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    dev = [cupy.asarray(np.asarray(a, np.int32)) for a in (qsl, ctx_lens, table)]
+
+    def call() -> cupy.ndarray:
+        return be.attention(q, kc, vc, *dev, D**-0.5, max(q_lens), max(ctx_lens))
+
+    flops = causal_flops(q_lens, ctx_lens, hq)
+    rows: list[dict] = []
+    order = [DEFAULT_PREFILL_TILING, *(t for t in PREFILL_TILINGS if t != DEFAULT_PREFILL_TILING)]
+    for tiling in order:
+        be.prefill_tiling = tiling
+        t = time_op(be, call)
+        with be.slot(0):
+            got = cupy.asnumpy((call().astype(np.uint32) << 16).view(np.float32)).astype(np.float64)
+        if not rows:
+            base_t, base_out = t, got
+        diff = float(np.linalg.norm(got - base_out) / max(np.linalg.norm(base_out), 1e-30))
+        rows.append({"hq": hq, "case": label, "tiling": tiling, "us": t * 1e6, "tflops": flops / t / 1e12,
+                     "speedup": base_t / t, "rel_diff": diff})
+    be.prefill_tiling = DEFAULT_PREFILL_TILING
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    be = CudaBackend(workspace_bytes=1 << 30)
+    rng = np.random.default_rng(0)
+    cases = [("2k alone", [2048], [2048]), ("8k alone", [8192], [8192]),
+             ("2k chunk at 8k", [2048], [8192]), ("4 x 1k", [1024] * 4, [1024] * 4)]
+    rows = []
+    print(f"{'heads':>6s} {'case':16s} {'tiling':7s} {'us':>9s} {'TFLOP/s':>8s} {'vs default':>10s} "
+          f"{'rel diff':>9s}")
+    for hq in (32, 16):
+        for label, q_lens, ctx_lens in cases:
+            for row in run_case(be, rng, hq, label, q_lens, ctx_lens):
+                rows.append(row)
+                print(f"{hq:6d} {label:16s} {row['tiling']:7s} {row['us']:9.1f} {row['tflops']:8.1f} "
+                      f"{row['speedup']:9.2f}x {row['rel_diff']:9.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Build vt's CUDA kernel files for the host simulator (sim_runtime.h) and launch them from numpy.
+
+The kernels are the very sources NVRTC compiles (vt.kernels.sources), with tensor_core.cu's PTX
+wrappers swapped for sim_tensor_core.h. Needs a C++17 compiler; `build` raises SimUnavailable
+without one."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from vt.kernels.sources import read_source, translation_unit
+
+HERE = Path(__file__).resolve().parent
+
+# The tensor-core kernels' parameter list (ATTN_TC_PARAMS) as ctypes types, in order.
+_TC_ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                ctypes.c_int]
+_LAUNCH_ARGTYPES = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+
+
+class SimUnavailable(RuntimeError):
+    pass
+
+
+def _host_source(fname: str) -> str:
+    tu = translation_unit(fname, replace={"tensor_core.cu": '#include "sim_tensor_core.h"\n'})
+    # Blocks run one at a time on the host: dynamic shared memory is the simulator's buffer.
+    tu = re.sub(r"extern __shared__\s+(?:__align__\(\d+\)\s*)?([\w ]+?)\s+(\w+)\[\];",
+                r"\1* \2 = reinterpret_cast<\1*>(sim::g_smem);", tu)
+    return '#include "sim_runtime.h"\n' + tu
+
+
+def _launchers(src: str) -> str:
+    out = []
+    for name in re.findall(r"^ATTENTION_TC\w*_ENTRY\((\w+),", src, flags=re.M):
+        out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
+                   f'size_t smem, ATTN_TC_PARAMS) {{ return sim::launch(gx, gy, gz, threads, smem, '
+                   f'[&] {{ {name}(ATTN_TC_ARGS); }}); }}')
+    return "\n".join(out)
+
+
+_COMBINE = """
+extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, unsigned threads,
+                                       size_t smem, const float* part_o, const float* part_ml,
+                                       const int* qsl, int num_seqs, bf16_t* out, int total_tokens,
+                                       int hq, int d, int num_splits) {
+    return sim::launch(gx, gy, gz, threads, smem, [&] {
+        attention_combine_k(part_o, part_ml, qsl, num_seqs, out, total_tokens, hq, d, num_splits); });
+}
+"""
+
+
+def build(fname: str) -> ctypes.CDLL:
+    """The kernel file compiled for the host, with a `sim_<kernel>` launcher per entry point
+    (grid x, y, z, threads, smem bytes, then the kernel's own arguments)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise SimUnavailable("no C++ compiler (g++) on this machine")
+    src = _host_source(fname)
+    if fname == "attention_tc.cu":
+        src += "\n" + _launchers(read_source(fname))
+    elif fname == "attention.cu":
+        src += _COMBINE
+    headers = "".join((HERE / h).read_text() for h in ("sim_runtime.h", "sim_tensor_core.h"))
+    key = hashlib.sha256((src + headers).encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / "vt-cuda-sim"
+    cache.mkdir(exist_ok=True)
+    lib = cache / f"{Path(fname).stem}-{key}.so"
+    if not lib.exists():
+        cpp = cache / f"{Path(fname).stem}-{key}.cpp"
+        cpp.write_text(src)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{HERE}", str(cpp), "-o", str(tmp)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"host build of {fname} failed:\n{res.stderr[-4000:]}")
+        tmp.replace(lib)
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+class SimAttention:
+    """attention_tc.cu's entry points and attention_combine_k, launched over numpy arrays laid
+    out as cuda_ops lays them (bf16 as uint16 bits)."""
+
+    def __init__(self) -> None:
+        self.tc = build("attention_tc.cu")
+        self.scalar = build("attention.cu")
+        self.scalar.sim_attention_combine_k.argtypes = _LAUNCH_ARGTYPES + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+    def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
+               q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
+               seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int) -> np.ndarray:
+        t, hq, d = q.shape
+        _, bs, hk, _ = k_cache.shape
+        out = np.zeros((t, hq, d), np.uint16)
+        part_o = np.zeros((splits, t, hq, d), np.float32) if splits > 1 else None
+        part_ml = np.zeros((splits, t, hq, 2), np.float32) if splits > 1 else None
+        fn = getattr(self.tc, f"sim_{kernel}")
+        fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES
+        rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
+                _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
+                _ptr(part_ml), t, hq, hk, bs, scale * np.log2(np.e), splits)
+        if rc:
+            raise ValueError(f"{kernel}: launch refused ({threads} threads, {smem} bytes of shared memory)")
+        if splits > 1:
+            b = seq_lens.shape[0]
+            rc = self.scalar.sim_attention_combine_k(t * hq, 1, 1, 64, 0, _ptr(part_o), _ptr(part_ml),
+                                                     _ptr(query_start_loc), b, _ptr(out), t, hq, d, splits)
+            assert rc == 0
+        return out

@@ -1,0 +1,239 @@
+// The CUDA C++ surface our kernels use, on the host: each thread of a block is a fiber
+// (ucontext), run round-robin; warp collectives (shuffles, votes, and the tensor-core wrappers in
+// sim_tensor_core.h) and __syncthreads are barriers between fibers. Blocks run one after another,
+// so one static buffer serves as every block's shared memory. Device pointers are host pointers.
+// This checks what a kernel computes (indexing, fragment layouts, masking, barriers' placement),
+// not its speed, and it cannot see a read that races an in-flight copy: copies land at once.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <math.h>
+#include <ucontext.h>
+#include <vector>
+
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n)
+#define __noinline__
+
+struct uint3_ { unsigned int x, y, z; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct int2 { int x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+
+namespace sim {
+
+constexpr int kMaxThreads = 1024;
+constexpr size_t kStack = 256 * 1024;
+constexpr size_t kSmem = 256 * 1024;
+alignas(1024) inline unsigned char g_smem[kSmem];
+
+struct Fiber {
+    ucontext_t ctx;
+    uint3_ tid;
+    int warp = 0, lane = 0;
+    bool done = false;
+    unsigned coll = 0;  // warp collectives this thread has passed: picks the exchange buffer
+};
+
+// A warp's exchange area: each lane writes its inputs, all meet, each reads what it needs.
+// Collectives alternate between two buffers, so one barrier each suffices: a lane can write the
+// buffer of collective k + 2 only after all lanes reached k + 1, i.e. finished reading k.
+struct WarpX {
+    uint32_t word[2][32][16];
+    const void* ptr[2][32];
+    int arrived = 0, live = 0;
+    unsigned gen = 0;
+};
+
+struct Block {
+    std::vector<Fiber> fibers;
+    std::vector<char> stacks;
+    WarpX warps[kMaxThreads / 32];
+    int arrived = 0, live = 0;
+    unsigned gen = 0;
+    ucontext_t sched;
+    int cur = 0;
+    long long idle_yields = 0;
+};
+
+inline Block*& block() { static Block* b = nullptr; return b; }
+inline Fiber& me() { return block()->fibers[block()->cur]; }
+inline uint3_& grid_dim() { static uint3_ v; return v; }
+inline uint3_& block_idx() { static uint3_ v; return v; }
+inline uint3_& block_dim() { static uint3_ v; return v; }
+inline std::function<void()>& body() { static std::function<void()> f; return f; }
+
+inline void yield() {
+    Block* b = block();
+    if (++b->idle_yields > 64LL * (long long)b->fibers.size() + 1024) {
+        std::fprintf(stderr, "cuda_sim: deadlock in block (%u, %u, %u): a barrier some threads never reach\n",
+                     block_idx().x, block_idx().y, block_idx().z);
+        std::abort();
+    }
+    // Straight to the next thread that has not exited (round-robin), not through the scheduler.
+    const int n = (int)b->fibers.size(), prev = b->cur;
+    int next = prev;
+    do { next = (next + 1) % n; } while (b->fibers[next].done);
+    if (next == prev) return;
+    b->cur = next;
+    swapcontext(&b->fibers[prev].ctx, &b->fibers[next].ctx);
+}
+
+inline void warp_barrier() {
+    Block* b = block();
+    WarpX& w = b->warps[me().warp];
+    const unsigned gen = w.gen;
+    b->idle_yields = 0;
+    if (++w.arrived == w.live) { w.arrived = 0; ++w.gen; return; }
+    while (w.gen == gen) yield();
+}
+
+// This lane's slot of its warp's current exchange buffer, then the barrier and the buffer to read.
+inline uint32_t* xin() { return block()->warps[me().warp].word[me().coll & 1][me().lane]; }
+inline const void*& xptr() { return block()->warps[me().warp].ptr[me().coll & 1][me().lane]; }
+struct XOut {
+    uint32_t (*word)[16];
+    const void** ptr;
+};
+inline XOut xmeet() {
+    WarpX& w = block()->warps[me().warp];
+    const unsigned k = me().coll++ & 1;
+    warp_barrier();
+    return {w.word[k], w.ptr[k]};
+}
+
+inline void block_barrier() {
+    Block* b = block();
+    const unsigned gen = b->gen;
+    b->idle_yields = 0;
+    if (++b->arrived == b->live) { b->arrived = 0; ++b->gen; return; }
+    while (b->gen == gen) yield();
+}
+
+inline void fiber_main() {
+    body()();
+    Block* b = block();
+    Fiber& f = me();
+    f.done = true;
+    b->idle_yields = 0;
+    WarpX& w = b->warps[f.warp];
+    // Threads that have exited no longer hold back the barriers the others wait at.
+    if (--w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
+    if (--b->live > 0 && b->arrived == b->live) { b->arrived = 0; ++b->gen; }
+    if (b->live == 0) {
+        swapcontext(&f.ctx, &b->sched);  // the block is done
+        return;
+    }
+    const int n = (int)b->fibers.size(), prev = b->cur;
+    int next = prev;
+    do { next = (next + 1) % n; } while (b->fibers[next].done);
+    b->cur = next;
+    swapcontext(&f.ctx, &b->fibers[next].ctx);
+}
+
+// Run `kernel` (a call of the kernel with its arguments) over the grid; smem_bytes is checked
+// against the static shared memory.
+inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem_bytes,
+                  std::function<void()> kernel) {
+    if (threads == 0 || threads > (unsigned)kMaxThreads || threads % 32 || smem_bytes > kSmem) return 1;
+    body() = std::move(kernel);
+    grid_dim() = {gx, gy, gz};
+    block_dim() = {threads, 1, 1};
+    Block b;
+    b.fibers.resize(threads);
+    b.stacks.resize((size_t)threads * kStack);
+    block() = &b;
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                block_idx() = {x, y, z};
+                std::memset(g_smem, 0xA5, smem_bytes);  // stale garbage, as a real block sees
+                b.live = (int)threads;
+                b.arrived = 0;
+                for (unsigned w = 0; w < threads / 32; ++w) { b.warps[w].live = 32; b.warps[w].arrived = 0; }
+                for (unsigned t = 0; t < threads; ++t) {
+                    Fiber& f = b.fibers[t];
+                    f.tid = {t, 0, 0};
+                    f.warp = (int)(t / 32);
+                    f.lane = (int)(t % 32);
+                    f.done = false;
+                    f.coll = 0;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = b.stacks.data() + (size_t)t * kStack;
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = nullptr;
+                    makecontext(&f.ctx, fiber_main, 0);
+                }
+                b.idle_yields = 0;
+                b.cur = 0;
+                swapcontext(&b.sched, &b.fibers[0].ctx);  // back when every thread has exited
+            }
+    block() = nullptr;
+    return 0;
+}
+
+}  // namespace sim
+
+#define threadIdx (sim::me().tid)
+#define blockIdx (sim::block_idx())
+#define blockDim (sim::block_dim())
+#define gridDim (sim::grid_dim())
+
+inline void __syncthreads() { sim::block_barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { sim::warp_barrier(); }
+
+template <class T>
+inline T sim_shfl(T v, int src_of_lane(int, int), int arg) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    const int lane = sim::me().lane;
+    std::memcpy(sim::xin(), &v, 4);
+    const sim::XOut x = sim::xmeet();
+    T r;
+    std::memcpy(&r, x.word[src_of_lane(lane, arg) & 31], 4);
+    return r;
+}
+inline int sim_xor(int lane, int m) { return lane ^ m; }
+inline int sim_idx(int, int src) { return src; }
+inline int sim_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; }
+inline int sim_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) { return sim_shfl(v, sim_xor, m); }
+template <class T> inline T __shfl_sync(unsigned, T v, int src) { return sim_shfl(v, sim_idx, src); }
+template <class T> inline T __shfl_down_sync(unsigned, T v, int d) { return sim_shfl(v, sim_down, d); }
+template <class T> inline T __shfl_up_sync(unsigned, T v, int d) { return sim_shfl(v, sim_up, d); }
+
+inline unsigned __ballot_sync(unsigned, int pred) {
+    sim::xin()[0] = pred ? 1u : 0u;
+    const sim::XOut x = sim::xmeet();
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) r |= x.word[l][0] << l;
+    return r;
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xffffffffu; }

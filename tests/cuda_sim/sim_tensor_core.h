@@ -1,0 +1,80 @@
+// Host versions of vt/kernels/tensor_core.cu's wrappers, by the PTX ISA's fragment layouts:
+// lane l = 4 g + c. mma.m16n8k16: A regs {a0: (g, 2c..2c+1), a1: (g+8, 2c..), a2: (g, 2c+8..),
+// a3: (g+8, 2c+8..)}; B regs {b0: (k 2c..2c+1, n g), b1: (k 2c+8.., n g)}; C/D {(g, 2c), (g, 2c+1),
+// (g+8, 2c), (g+8, 2c+1)}. ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i, and r[i]
+// of lane l holds row l/4, elements 2(l%4) and 2(l%4)+1 (.trans: column l/4, rows 2(l%4) and
+// 2(l%4)+1). The lower-indexed element is in the low half of a word.
+#pragma once
+
+inline float sim_bf(uint32_t w, int hi) { return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16)); }
+
+inline unsigned int smem_addr(const void* p) { return (unsigned int)(uintptr_t)p; }
+
+inline void cp_async16(void* dst, const void* src, bool pred) {
+    if (pred) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+
+inline void sim_ldsm(unsigned int* r, const void* p, bool trans) {
+    const int lane = sim::me().lane;
+    sim::xptr() = p;
+    const sim::XOut x = sim::xmeet();
+    const int row = lane / 4, pair = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        if (!trans) {
+            std::memcpy(&r[i], static_cast<const char*>(x.ptr[8 * i + row]) + 4 * pair, 4);
+        } else {
+            uint16_t lo, hi;
+            std::memcpy(&lo, static_cast<const char*>(x.ptr[8 * i + 2 * pair]) + 2 * row, 2);
+            std::memcpy(&hi, static_cast<const char*>(x.ptr[8 * i + 2 * pair + 1]) + 2 * row, 2);
+            r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    }
+}
+inline void ldsm_x4(unsigned int* r, const void* p) { sim_ldsm(r, p, false); }
+inline void ldsm_x4_t(unsigned int* r, const void* p) { sim_ldsm(r, p, true); }
+
+inline void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    const int lane = sim::me().lane;
+    uint32_t* mine = sim::xin();
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    const sim::XOut x = sim::xmeet();
+    auto A = [&](int r, int k) {
+        const int reg = (r / 8) + 2 * (k / 8);
+        return sim_bf(x.word[4 * (r % 8) + (k % 8) / 2][reg], k % 2);
+    };
+    auto B = [&](int k, int n) { return sim_bf(x.word[4 * n + (k % 8) / 2][4 + k / 8], k % 2); };
+    const int g = lane / 4, cc = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int r = g + 8 * (e / 2), n = 2 * cc + (e % 2);
+        float acc = 0.f;
+        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
+        c[e] += acc;
+    }
+}
+
+inline uint16_t sim_rn_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+inline unsigned int pack2_rn(float lo, float hi) { return (uint32_t)sim_rn_bf16(lo) | ((uint32_t)sim_rn_bf16(hi) << 16); }
+
+inline unsigned int movmatrix_t(unsigned int a) {
+    const int lane = sim::me().lane;
+    sim::xin()[0] = a;
+    const sim::XOut x = sim::xmeet();
+    // out(lane) = M[2(l%4)][l/4], M[2(l%4)+1][l/4]; M[r][c] is half c%2 of lane 4r + c/2.
+    const int col = lane / 4, r0 = 2 * (lane % 4);
+    auto M = [&](int r, int c) {
+        const uint32_t w = x.word[4 * r + c / 2][0];
+        return c % 2 ? w >> 16 : w & 0xffffu;
+    };
+    return M(r0, col) | (M(r0 + 1, col) << 16);
+}

@@ -1,0 +1,133 @@
+"""The tensor-core attention kernels (attention_tc.cu, the source NVRTC compiles) run on the host
+simulator in tests/cuda_sim and match the numpy twin: every tiling the plan picks, ragged and
+paged batches, GQA groups, split keys. On a GPU, tests/gpu/test_cuda_ops.py runs the same
+kernels for real; here CI checks their indexing and fragment layouts without one."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.cuda_sim import SimAttention, SimUnavailable
+from vt.kernels.attention_plan import DEFAULT_PREFILL_TILING, PREFILL_TILINGS, attention_kernel
+from vt.kernels.numpy_ops import NumpyBackend
+
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def sim():
+    try:
+        return SimAttention()
+    except SimUnavailable as e:
+        pytest.skip(str(e))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def _float(bits: np.ndarray) -> np.ndarray:
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs):
+    """bf16 q and caches (as bits), each sequence's blocks drawn from a shuffled pool; table
+    padding holds an out-of-range block id that attention must never read."""
+    need = [-(-c // bs) for c in ctx_lens]
+    nblk = sum(need) + 2
+    pool = list(rng.permutation(nblk))
+    table = np.full((len(q_lens), max(need) + 1), 10**6, np.int32)
+    for b, n in enumerate(need):
+        table[b, :n] = [pool.pop() for _ in range(n)]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = _bits(rng.standard_normal((int(qsl[-1]), hq, d)))
+    kc = _bits(rng.standard_normal((nblk, bs, hk, d)))
+    vc = _bits(rng.standard_normal((nblk, bs, hk, d)))
+    return q, kc, vc, qsl, np.asarray(ctx_lens, np.int32), table
+
+
+def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16):
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
+    scale = d**-0.5
+    ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
+                                   max(q_lens), max(ctx_lens))
+    plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling)
+    assert plan.tensor_cores, "these cases are for the tensor-core kernels"
+    grid = (plan.row_tiles, hk, len(q_lens) * splits)
+    out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits)
+    assert _rel_err(_float(out), ref) < BF16_TOL, plan.name
+    return plan.name
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d,kernel",
+    [
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128, "prefill"),  # prefill, decode, chunked prefill
+        ([70, 33], [70, 100], 4, 4, 64, "prefill"),  # no GQA, head dim 64, multi-tile prefill
+        ([150, 1, 40], [150, 200, 230], 8, 2, 128, "prefill"),  # several row and key tiles
+        ([4, 1, 2], [30, 100, 70], 16, 4, 128, "decode"),  # short spans through 16-row tiles
+        ([1, 1, 1], [64, 65, 130], 16, 1, 64, "decode"),  # group 16, key counts on and past tile edges
+        ([1] * 4, [1, 15, 17, 150], 64, 8, 128, "decode8"),  # group 8 fills the transposed tiles
+        ([3, 4, 1, 2], [40, 130, 77, 2], 4, 2, 128, "decode8"),  # several tokens a tile, causal
+    ],
+)
+def test_tensor_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, kernel):
+    rng = np.random.default_rng(len(q_lens) * 1000 + sum(ctx_lens))
+    name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d)
+    assert name.endswith("_" + kernel)  # the plan picked the tiling this case is meant for
+
+
+@pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d",
+    [
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128),  # prefill, decode, chunked prefill
+        ([70, 33], [70, 100], 4, 4, 64),  # no GQA, head dim 64, one 128-row tile per sequence
+        ([150, 1, 40], [150, 200, 230], 8, 2, 128),  # several row and key tiles, chunked prefill
+        ([37], [300], 16, 2, 64),  # group 8: a tile's rows span 16 positions, keys past tile edges
+        ([200], [200], 4, 1, 128),  # a warp's m-tiles at different causal limits in every tile
+    ],
+)
+def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, hk, d):
+    rng = np.random.default_rng(sum(ctx_lens) + hq)
+    name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, tiling=tiling)
+    assert name.endswith(PREFILL_TILINGS[tiling].suffix)
+
+
+@pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
+def test_prefill_tilings_with_split_keys(sim, tiling):
+    _check(sim, np.random.default_rng(11), [60, 9], [260, 140], 8, 2, 128, splits=3, tiling=tiling)
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d,splits", [
+    ([1, 1], [300, 200], 8, 2, 128, 3),  # decode tiles, uneven key slices
+    ([40, 1], [250, 90], 8, 2, 64, 2),  # prefill tiles with split keys, a split past the keys
+])
+def test_split_keys_combine_to_the_same_attention(sim, q_lens, ctx_lens, hq, hk, d, splits):
+    _check(sim, np.random.default_rng(7), q_lens, ctx_lens, hq, hk, d, splits=splits)
+
+
+def test_the_simulator_sees_a_wrong_fragment_layout(sim):
+    """A kernel run through a simulator that got ldmatrix or mma wrong would still 'pass' against
+    a lenient check; this one reads V through the decode8 kernel's transposed path and must fail
+    when the output is compared against attention with V's rows shuffled."""
+    rng = np.random.default_rng(3)
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [1, 1], [40, 70], 8, 2, 64, 16)
+    scale = 64**-0.5
+    plan = attention_kernel(4, 1, 64)
+    out = _float(sim.launch(plan.name, (plan.row_tiles, 2, 2), plan.threads, plan.smem, q, kc, vc, qsl,
+                            seq_lens, table, scale, 1))
+    nb = NumpyBackend()
+    ref = nb.attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale, 1, 70)
+    wrong = nb.attention(_float(q), _float(kc), _float(vc)[:, ::-1], qsl, seq_lens, table, scale, 1, 70)
+    assert _rel_err(out, ref) < BF16_TOL
+    assert _rel_err(out, wrong) > 0.1
