@@ -9,15 +9,18 @@ compiles with NVRTC directly and loads the cubin.
 
 from __future__ import annotations
 
-import importlib.resources
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import cupy
 import numpy as np
-from cupy_backends.cuda.api import driver
 
-from vt.kernels.dependent_launch import DependentLauncher
+from vt.kernels.sources import read_source
+
+if TYPE_CHECKING:
+    import cupy
+
+    from vt.kernels.dependent_launch import DependentLauncher
 
 TOKEN_TILES = (16, 32, 64, 128)  # padded token counts compiled (the wgmma N side)
 WEIGHT_ROWS = 128                # weight rows per tile (a 64-row slab per warpgroup)
@@ -38,33 +41,15 @@ def smem_bytes(tokens: int) -> int:
     return stages(tokens) * (WEIGHT_ROWS + tokens) * K_CHUNK * 2 + 1024
 
 
-def _wgmma_struct(n: int) -> str:
-    regs = n // 2
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    acc = ", ".join(f"%{i}" for i in range(regs))
-    return (
-        f"template <> struct Wgmma<{n}> {{\n"
-        f"    static __device__ __forceinline__ void mma(float* d, u64_t a, u64_t b, int scale_d) {{\n"
-        f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-        f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, "\n'
-        f'            "%{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
-        f'            : {outs}\n'
-        f'            : "l"(a), "l"(b), "r"(scale_d));\n'
-        f"    }}\n"
-        f"    static __device__ __forceinline__ void pin(float* d) {{\n"
-        f'        asm volatile("" : {outs} :: "memory");\n'
-        f"    }}\n"
-        f"}};\n"
-    )
-
-
 def kernel_name(tokens: int) -> str:
     return f"gemm_sk_n{tokens}"
 
 
-def source(tokens: tuple[int, ...] = TOKEN_TILES) -> str:
+def source(tokens: tuple[int, ...] = TOKEN_TILES, replace: Mapping[str, str] | None = None) -> str:
+    """cuda_common.cu, the PTX wrappers (tensor_core.cu, wgmma.cu: m64nNk16 for N of 16 to 128),
+    the probe, and one entry point per token tile; `replace` swaps a wrapper file's text (the
+    host simulator's)."""
     body = (Path(__file__).parent / "streamk_gemm.cu").read_text()
-    wgmma = "".join(_wgmma_struct(n) for n in tokens)
     kernels = "".join(
         f'extern "C" __global__ void __launch_bounds__({THREADS}, 1)\n'
         f"{kernel_name(n)}(const bf16_t* w, const bf16_t* x, bf16_t* y, float* partials, int* counters,\n"
@@ -73,8 +58,9 @@ def source(tokens: tuple[int, ...] = TOKEN_TILES) -> str:
         f"}}\n"
         for n in tokens
     )
-    common = importlib.resources.files("vt.kernels").joinpath("cuda_common.cu").read_text()
-    return common + "\n" + body.replace("//@WGMMA@", wgmma).replace("//@KERNELS@", kernels)
+    replace = replace or {}
+    wrappers = [replace.get(f, read_source(f)) for f in ("cuda_common.cu", "tensor_core.cu", "wgmma.cu")]
+    return "\n".join(wrappers) + "\n" + body.replace("//@KERNELS@", kernels)
 
 
 def compile_cubin(src: str, arch: str = "sm_90a") -> bytes:
@@ -94,6 +80,9 @@ class StreamKGemm:
     """Compiled kernels plus the chip's CTA count; workspaces come from new_workspace()."""
 
     def __init__(self, tokens: tuple[int, ...] = TOKEN_TILES) -> None:
+        import cupy
+        from cupy_backends.cuda.api import driver
+
         self.tokens = tuple(sorted(tokens))
         self._module = cupy.cuda.function.Module()
         self._module.load(compile_cubin(source(self.tokens)))
@@ -112,6 +101,8 @@ class StreamKGemm:
     def new_workspace(self, max_tiles: int = 4096) -> tuple[cupy.ndarray, cupy.ndarray]:
         """(partials, counters) for one stream: two fp32 tile partials per CTA, one counter per
         tile (zero, and left zero by every launch)."""
+        import cupy
+
         partials = cupy.empty((2 * self.ctas * WEIGHT_ROWS * self.max_rows,), dtype=np.float32)
         counters = cupy.zeros((max_tiles,), dtype=np.int32)
         return partials, counters

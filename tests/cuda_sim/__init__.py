@@ -33,8 +33,12 @@ class SimUnavailable(RuntimeError):
     pass
 
 
-def _host_source(fname: str) -> str:
-    tu = translation_unit(fname, replace={"tensor_core.cu": '#include "sim_tensor_core.h"\n'})
+# The simulator's versions of the PTX wrapper files.
+SIM_WRAPPERS = {"tensor_core.cu": '#include "sim_tensor_core.h"\n', "wgmma.cu": '#include "sim_wgmma.h"\n'}
+
+
+def host_source(tu: str) -> str:
+    """A translation unit (with SIM_WRAPPERS in place of the PTX wrappers) as host C++."""
     # Blocks run one at a time on the host: dynamic shared memory is the simulator's buffer.
     tu = re.sub(r"extern __shared__\s+(?:__align__\(\d+\)\s*)?([\w ]+?)\s+(\w+)\[\];",
                 r"\1* \2 = reinterpret_cast<\1*>(sim::g_smem);", tu)
@@ -43,7 +47,7 @@ def _host_source(fname: str) -> str:
 
 def _launchers(src: str) -> str:
     out = []
-    for name in re.findall(r"^ATTENTION_TC\w*_ENTRY\((\w+),", src, flags=re.M):
+    for name in re.findall(r"^ATTENTION_\w*ENTRY\((\w+),", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
                    f'size_t smem, ATTN_TC_PARAMS) {{ return sim::launch(gx, gy, gz, threads, smem, '
                    f'[&] {{ {name}(ATTN_TC_ARGS); }}); }}')
@@ -61,32 +65,37 @@ extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, un
 """
 
 
-def build(fname: str) -> ctypes.CDLL:
-    """The kernel file compiled for the host, with a `sim_<kernel>` launcher per entry point
-    (grid x, y, z, threads, smem bytes, then the kernel's own arguments)."""
+def compile_host(tag: str, src: str) -> ctypes.CDLL:
+    """Host C++ (from host_source, plus launchers) built once per content into a shared library."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise SimUnavailable("no C++ compiler (g++) on this machine")
-    src = _host_source(fname)
-    if fname == "attention_tc.cu":
-        src += "\n" + _launchers(read_source(fname))
-    elif fname == "attention.cu":
-        src += _COMBINE
-    headers = "".join((HERE / h).read_text() for h in ("sim_runtime.h", "sim_tensor_core.h"))
+    headers = "".join((HERE / h).read_text() for h in ("sim_runtime.h", "sim_tensor_core.h", "sim_wgmma.h"))
     key = hashlib.sha256((src + headers).encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / "vt-cuda-sim"
     cache.mkdir(exist_ok=True)
-    lib = cache / f"{Path(fname).stem}-{key}.so"
+    lib = cache / f"{tag}-{key}.so"
     if not lib.exists():
-        cpp = cache / f"{Path(fname).stem}-{key}.cpp"
+        cpp = cache / f"{tag}-{key}.cpp"
         cpp.write_text(src)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{HERE}", str(cpp), "-o", str(tmp)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
-            raise RuntimeError(f"host build of {fname} failed:\n{res.stderr[-4000:]}")
+            raise RuntimeError(f"host build of {tag} failed:\n{res.stderr[-4000:]}")
         tmp.replace(lib)
     return ctypes.CDLL(str(lib))
+
+
+def build(fname: str) -> ctypes.CDLL:
+    """The kernel file compiled for the host, with a `sim_<kernel>` launcher per entry point
+    (grid x, y, z, threads, smem bytes, then the kernel's own arguments)."""
+    src = host_source(translation_unit(fname, replace=SIM_WRAPPERS))
+    if fname in ("attention_tc.cu", "attention_wg.cu"):
+        src += "\n" + _launchers(read_source(fname))
+    elif fname == "attention.cu":
+        src += _COMBINE
+    return compile_host(Path(fname).stem, src)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
@@ -99,6 +108,7 @@ class SimAttention:
 
     def __init__(self) -> None:
         self.tc = build("attention_tc.cu")
+        self.wg = build("attention_wg.cu")
         self.scalar = build("attention.cu")
         self.scalar.sim_attention_combine_k.argtypes = _LAUNCH_ARGTYPES + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -112,7 +122,7 @@ class SimAttention:
         out = np.zeros((t, hq, d), np.uint16)
         part_o = np.zeros((splits, t, hq, d), np.float32) if splits > 1 else None
         part_ml = np.zeros((splits, t, hq, 2), np.float32) if splits > 1 else None
-        fn = getattr(self.tc, f"sim_{kernel}")
+        fn = getattr(self.wg if kernel.startswith("attention_wg") else self.tc, f"sim_{kernel}")
         fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),

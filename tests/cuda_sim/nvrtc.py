@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vt.kernels.sources import KERNEL_FILES, translation_unit
+from vt.kernels.sources import ARCH_KERNEL_FILES, KERNEL_FILES, translation_unit
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -82,7 +82,7 @@ def resources(log: str) -> list[KernelResources]:
 
 def main() -> None:
     lib = load()
-    for fname in KERNEL_FILES:
+    for fname in [*KERNEL_FILES, *ARCH_KERNEL_FILES]:
         rc, log = compile_report(lib, fname)
         print(f"{fname}: {'ok' if rc == 0 else 'FAILED'}")
         if rc:

@@ -23,6 +23,7 @@
 #define __launch_bounds__(...)
 #define __align__(n)
 #define __noinline__
+#define __shared__ static  // blocks run one at a time: a static is the block's shared variable
 
 struct uint3_ { unsigned int x, y, z; };
 struct uint4 { unsigned int x, y, z, w; };
@@ -72,10 +73,18 @@ struct WarpX {
     unsigned gen = 0;
 };
 
+// A barrier among `count` threads (named barriers, warpgroups).
+struct Group {
+    int arrived = 0;
+    unsigned gen = 0;
+};
+
 struct Block {
     std::vector<Fiber> fibers;
     std::vector<char> stacks;
     WarpX warps[kMaxThreads / 32];
+    Group groups[64];
+    float* wg_acc[kMaxThreads];  // each thread's accumulators, for the warpgroup's wgmma
     int arrived = 0, live = 0;
     unsigned gen = 0;
     ucontext_t sched;
@@ -113,6 +122,21 @@ inline void warp_barrier() {
     b->idle_yields = 0;
     if (++w.arrived == w.live) { w.arrived = 0; ++w.gen; return; }
     while (w.gen == gen) yield();
+}
+
+// Threads meet at group `key` (count of them); the last to arrive runs `last` before releasing.
+inline void group_barrier(int key, int count, const std::function<void()>& last) {
+    Block* b = block();
+    Group& g = b->groups[key];
+    const unsigned gen = g.gen;
+    b->idle_yields = 0;
+    if (++g.arrived == count) {
+        if (last) last();
+        g.arrived = 0;
+        ++g.gen;
+        return;
+    }
+    while (g.gen == gen) yield();
 }
 
 // This lane's slot of its warp's current exchange buffer, then the barrier and the buffer to read.
@@ -178,6 +202,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                 b.live = (int)threads;
                 b.arrived = 0;
                 for (unsigned w = 0; w < threads / 32; ++w) { b.warps[w].live = 32; b.warps[w].arrived = 0; }
+                for (Group& g : b.groups) g.arrived = 0;
                 for (unsigned t = 0; t < threads; ++t) {
                     Fiber& f = b.fibers[t];
                     f.tid = {t, 0, 0};
@@ -207,6 +232,10 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
 #define gridDim (sim::grid_dim())
 
 inline void __syncthreads() { sim::block_barrier(); }
+inline void __threadfence() {}
+template <class T> inline T __ldcg(const T* p) { return *p; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p += v; return old; }
 inline void __syncwarp(unsigned = 0xffffffffu) { sim::warp_barrier(); }
 
 template <class T>

@@ -41,6 +41,10 @@ def test_prefill_tilings_size_their_blocks():
     assert (w8.name, w8.row_tiles, w8.threads, w8.smem) == ("attention_tc_d128_prefill_w8", 32, 256, r64.smem)
     assert (m2.name, m2.row_tiles, m2.threads) == ("attention_tc_d128_prefill_m2", 32, 128)
     assert m2.smem == tc_smem(128, 2) + 128 * 136 * 2
+    wg = attention_kernel(4, 1000, 128, prefill="wg")
+    assert (wg.name, wg.row_tiles, wg.threads) == ("attention_wg_d128_prefill", 32, 256)
+    # no wgmma kernel for head dim 64: the default tiling
+    assert attention_kernel(4, 1000, 64, prefill="wg").name == "attention_tc_d64_prefill"
     # decode rows keep their kernels whatever the prefill tiling
     for t in PREFILL_TILINGS:
         assert attention_kernel(4, 1, 128, prefill=t).name == "attention_tc_d128_decode8"

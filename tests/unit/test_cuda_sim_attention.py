@@ -100,7 +100,20 @@ def test_tensor_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, k
 def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, hk, d):
     rng = np.random.default_rng(sum(ctx_lens) + hq)
     name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, tiling=tiling)
-    assert name.endswith(PREFILL_TILINGS[tiling].suffix)
+    t = PREFILL_TILINGS[tiling if d in PREFILL_TILINGS[tiling].head_dims else DEFAULT_PREFILL_TILING]
+    assert name == t.kernel.format(d=d)
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk", [
+    ([300], [300], 32, 8),  # Qwen3-8B's heads: 10 row tiles a kv head, warpgroups at different limits
+    ([64, 200], [600, 200], 8, 2),  # a chunk deep in its context beside a whole prompt
+    ([33, 1, 90], [97, 5, 90], 16, 2),  # group 8, a decode row among prompts, partial tiles
+])
+@pytest.mark.parametrize("tiling", ["wg", "wg3"])
+def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk):
+    """attention_wg.cu (wgmma, warpgroups of 64 rows) on more shapes than the shared cases."""
+    name = _check(sim, np.random.default_rng(5), q_lens, ctx_lens, hq, hk, 128, tiling=tiling)
+    assert name == PREFILL_TILINGS[tiling].kernel.format(d=128)
 
 
 @pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cuda_sim import nvrtc
-from vt.kernels.sources import KERNEL_FILES
+from vt.kernels.sources import ARCH_KERNEL_FILES, KERNEL_FILES
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +16,10 @@ def reports():
         lib = nvrtc.load()
     except nvrtc.NvrtcUnavailable as e:
         pytest.skip(str(e))
-    return {f: nvrtc.compile_report(lib, f) for f in KERNEL_FILES}
+    return {f: nvrtc.compile_report(lib, f) for f in [*KERNEL_FILES, *ARCH_KERNEL_FILES]}
 
 
-@pytest.mark.parametrize("fname", list(KERNEL_FILES))
+@pytest.mark.parametrize("fname", [*KERNEL_FILES, *ARCH_KERNEL_FILES])
 def test_kernel_file_compiles_for_hopper(reports, fname):
     rc, log = reports[fname]
     assert rc == 0, log[-3000:]
@@ -27,9 +27,8 @@ def test_kernel_file_compiles_for_hopper(reports, fname):
 
 
 def test_tensor_core_attention_fits_its_registers(reports):
-    _, log = reports["attention_tc.cu"]
-    res = {r.name: r for r in nvrtc.resources(log)}
+    res = {r.name: r for f in ("attention_tc.cu", "attention_wg.cu") for r in nvrtc.resources(reports[f][1])}
     assert {"attention_tc_d128_prefill", "attention_tc_d128_prefill_m2", "attention_tc_d128_prefill_w8",
-            "attention_tc_d128_decode", "attention_tc_d128_decode8"} <= set(res)
+            "attention_tc_d128_decode", "attention_tc_d128_decode8", "attention_wg_d128_prefill"} <= set(res)
     for r in res.values():
         assert r.spill_stores == 0 and r.spill_loads == 0, r

@@ -19,25 +19,44 @@ def tc_smem(d: int, stages: int, q_rows: int = 0) -> int:
     return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q_rows * (d + 8) * 2
 
 
-class PrefillTiling(NamedTuple):
-    """How the tensor-core kernel tiles prompts (attention_tc.cu): rows of a block, its
-    threads, K/V stages in flight, and whether Q is staged in shared memory."""
+def wg_smem(nwg: int, stages: int) -> int:
+    """Dynamic shared memory of attention_wg.cu's block (head dim 128): the 1024-byte alignment
+    pad, Q [2][64 nwg][128 B], per stage a swizzled K tile and a padded V staging tile, Vt, each
+    warpgroup's P, and the cache row offsets."""
+    return (1024 + 2 * 64 * nwg * 128 + stages * (2 * 64 * 128 + 64 * 136 * 2) + 128 * 128
+            + nwg * 64 * 128 + stages * 64 * 4)
 
-    suffix: str
+
+class PrefillTiling(NamedTuple):
+    """How prompts are tiled on tensor cores: the kernel (`{d}` the head dim), the head dims it
+    has, rows of a block, its threads and dynamic shared memory for head dim d."""
+
+    kernel: str
+    head_dims: tuple[int, ...]
     rows: int
     threads: int
-    stages: int
-    q_in_smem: bool
+    sm90_only: bool = False
+
+    def smem(self, d: int) -> int:
+        if self.kernel.startswith("attention_wg"):
+            return wg_smem(self.rows // 64, 2)
+        if self.kernel.endswith("_m2"):
+            return tc_smem(d, 2, self.rows)
+        return tc_smem(d, TC_STAGES)
 
 
 # r64: four warps of 16 rows (the default, measured on the H200). w8: eight warps of 16 rows,
 # half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
-# half the fragment loads a product, two blocks an SM. The 128-row tilings are built and checked
-# (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a benchmark.
+# half the fragment loads a product, two blocks an SM. wg, wg3: two or three warpgroups of 64
+# rows on wgmma (attention_wg.cu, sm_90 only), one block an SM. Every tiling but r64 is built and
+# checked (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a
+# benchmark. A head dim a tiling lacks runs on r64.
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
-    "r64": PrefillTiling("prefill", 64, 128, TC_STAGES, False),
-    "w8": PrefillTiling("prefill_w8", 128, 256, TC_STAGES, False),
-    "m2": PrefillTiling("prefill_m2", 128, 128, 2, True),
+    "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128),
+    "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256),
+    "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128),
+    "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, sm90_only=True),
+    "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, sm90_only=True),
 }
 DEFAULT_PREFILL_TILING = "r64"
 
@@ -70,8 +89,9 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
         if rows <= 16:
             return AttnKernel(f"attention_tc_d{d}_decode", True, 1, smem, 128)
         t = PREFILL_TILINGS[prefill]
-        return AttnKernel(f"attention_tc_d{d}_{t.suffix}", True, -(-rows // t.rows),
-                          tc_smem(d, t.stages, t.rows if t.q_in_smem else 0), t.threads)
+        if d not in t.head_dims:
+            t = PREFILL_TILINGS[DEFAULT_PREFILL_TILING]
+        return AttnKernel(t.kernel.format(d=d), True, -(-rows // t.rows), t.smem(d), t.threads)
     r = 1 if rows <= 4 else 2 if rows <= 8 else 4
     half = d // 2
     smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4

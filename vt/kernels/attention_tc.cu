@@ -15,17 +15,6 @@
 // TC_STAGES (key tiles in flight per block) is defined by cuda_ops from attention_plan.TC_STAGES,
 // which also sizes the shared memory.
 
-// The kernels' parameters (one contract for every tiling; cuda_ops passes them in this order).
-#define ATTN_TC_PARAMS                                                                                   \
-    const bf16_t *__restrict__ q, int q_stride, const bf16_t *__restrict__ k_cache,                     \
-        const bf16_t *__restrict__ v_cache, const int *__restrict__ query_start_loc,                    \
-        const int *__restrict__ seq_lens, const int *__restrict__ block_tables, int max_blocks,         \
-        bf16_t *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,              \
-        int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits
-#define ATTN_TC_ARGS                                                                                     \
-    q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks, out, part_o,    \
-        part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits
-
 // The K/V tiles of one (sequence, kv head, key split) through shared memory, TC_KT keys a tile
 // and STAGES tiles in flight. The cache rows of each tile are staged in shared memory as 32-bit
 // offsets in 16-byte units (slot tile % STAGES) a tile before their copies are issued, so that
@@ -148,52 +137,6 @@ __device__ __forceinline__ void merge_key_warps(const float* red_o, const float*
     }
 }
 
-// Scores of 16 rows (a: g, b: g + 8 of the m-tile) over 8 * NS keys from kbase, masked
-// causally, through the online softmax: updates (m, l), rescales o, and leaves P as the bf16
-// A fragments of the P.V product (pa[n]: n-tile n's rows a, b).
-template <int NS, int DN>
-__device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
-                                               float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
-                                               float (&o)[DN][4], unsigned int (&pa)[NS][2]) {
-    float mx_a = -VT_INF, mx_b = -VT_INF;
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-        const int k0 = kbase + n * 8 + 2 * c;
-        s[n][0] = k0 <= pos_a ? s[n][0] * scale_log2 : -VT_INF;
-        s[n][1] = k0 + 1 <= pos_a ? s[n][1] * scale_log2 : -VT_INF;
-        s[n][2] = k0 <= pos_b ? s[n][2] * scale_log2 : -VT_INF;
-        s[n][3] = k0 + 1 <= pos_b ? s[n][3] * scale_log2 : -VT_INF;
-        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    // A row with no visible key yet keeps m = -inf: use 0 as the base so exp2 gives 0, not NaN.
-    const float base_a = mn_a == -VT_INF ? 0.f : mn_a, base_b = mn_b == -VT_INF ? 0.f : mn_b;
-    const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
-    m_a = mn_a;
-    m_b = mn_b;
-    float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-        const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
-        const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
-        sum_a += p0 + p1;
-        sum_b += p2 + p3;
-        pa[n][0] = pack2_rn(p0, p1);
-        pa[n][1] = pack2_rn(p2, p3);
-    }
-    l_a = l_a * corr_a + sum_a;
-    l_b = l_b * corr_b + sum_b;
-#pragma unroll
-    for (int n = 0; n < DN; ++n) {
-        o[n][0] *= corr_a; o[n][1] *= corr_a; o[n][2] *= corr_b; o[n][3] *= corr_b;
-    }
-}
-
 template <int D, int RW, int KW, int STAGES>
 __device__ __forceinline__ void attention_tc_body(
     ATTN_TC_PARAMS) {
@@ -287,10 +230,8 @@ __device__ __forceinline__ void attention_tc_body(
     pipe.finish();
 
     // Row sums were kept per thread; the four threads of a quad share a row.
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    l_a = quad_sum(l_a);
+    l_b = quad_sum(l_b);
 
     if constexpr (KW > 1) {
         // Merge the key warps: each leaves (m, l, o) of its 16 rows in shared memory.
@@ -315,26 +256,8 @@ __device__ __forceinline__ void attention_tc_body(
         merge_key_warps<D, KW, 16>(red_o, red_ml, row0, nrows, group, q0, kh, hq, split, total_tokens,
                                    num_splits, out, part_o, part_ml);
     } else {
-#pragma unroll
-        for (int half_i = 0; half_i < 2; ++half_i) {
-            const int r = half_i ? rb : ra;
-            if (r >= nrows) continue;
-            const float mm = half_i ? m_b : m_a, ll = half_i ? l_b : l_a;
-            const int t = q0 + r / group, h = kh * group + r % group;
-            if (num_splits == 1) {
-                const float inv = ll > 0.f ? 1.f / ll : 0.f;
-                unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D);
-#pragma unroll
-                for (int n = 0; n < DN; ++n)
-                    orow[n * 4 + c] = pack2(o[n][2 * half_i] * inv, o[n][2 * half_i + 1] * inv);
-            } else {
-                const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
-                float2* po = reinterpret_cast<float2*>(part_o + prow * D);
-#pragma unroll
-                for (int n = 0; n < DN; ++n) po[n * 4 + c] = make_float2(o[n][2 * half_i], o[n][2 * half_i + 1]);
-                if (c == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
-            }
-        }
+        store_m_tile<D>(o, m_a, m_b, l_a, l_b, ra, rb, c, nrows, group, q0, kh, hq, split, total_tokens, num_splits,
+                        out, part_o, part_ml);
     }
 }
 
@@ -481,29 +404,9 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
 
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-#pragma unroll
-        for (int half_i = 0; half_i < 2; ++half_i) {
-            float ll = l[t][half_i];
-            // Row sums were kept per thread; the four threads of a quad share a row.
-            ll += __shfl_xor_sync(0xffffffffu, ll, 1);
-            ll += __shfl_xor_sync(0xffffffffu, ll, 2);
-            const int r = wr0 + 16 * t + g + 8 * half_i;
-            if (r >= nrows) continue;
-            const int tok = q0 + r / group, h = kh * group + r % group;
-            if (num_splits == 1) {
-                const float inv = ll > 0.f ? 1.f / ll : 0.f;
-                unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)tok * hq + h) * D);
-#pragma unroll
-                for (int n = 0; n < DN; ++n)
-                    orow[n * 4 + c] = pack2(o[t][n][2 * half_i] * inv, o[t][n][2 * half_i + 1] * inv);
-            } else {
-                const size_t prow = ((size_t)split * total_tokens + tok) * hq + h;
-                float2* po = reinterpret_cast<float2*>(part_o + prow * D);
-#pragma unroll
-                for (int n = 0; n < DN; ++n) po[n * 4 + c] = make_float2(o[t][n][2 * half_i], o[t][n][2 * half_i + 1]);
-                if (c == 0) { part_ml[prow * 2] = m[t][half_i]; part_ml[prow * 2 + 1] = ll; }
-            }
-        }
+        const int ra = wr0 + 16 * t + g;
+        store_m_tile<D>(o[t], m[t][0], m[t][1], quad_sum(l[t][0]), quad_sum(l[t][1]), ra, ra + 8, c, nrows, group, q0,
+                        kh, hq, split, total_tokens, num_splits, out, part_o, part_ml);
     }
 }
 

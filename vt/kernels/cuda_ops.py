@@ -36,7 +36,7 @@ from vt.kernels.attention_plan import (
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
-from vt.kernels.sources import KERNEL_FILES, translation_unit
+from vt.kernels.sources import ARCH_KERNEL_FILES, KERNEL_FILES, translation_unit
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
@@ -130,7 +130,11 @@ class CudaBackend:
             raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} is not one of "
                              f"{sorted(PREFILL_TILINGS)}")
         self._tls = threading.local()  # per-thread open slot (cupy's current stream is per thread too)
+        self._arch_modules: list[Any] = []
         self._kernels = self._compile()
+        tiling = PREFILL_TILINGS[self.prefill_tiling]
+        if tiling.sm90_only and tiling.kernel.format(d=tiling.head_dims[0]) not in self._kernels:
+            raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} needs an sm_90 GPU")
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int, int], int] = {}
         for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
@@ -168,10 +172,10 @@ class CudaBackend:
                 "fill_from_last_k",
             ),
             "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
-            "attention_tc.cu": tuple(
-                f"attention_tc_d{d}_{kind}"
-                for d in TC_HEAD_DIMS
-                for kind in ("decode", "decode8", *(t.suffix for t in PREFILL_TILINGS.values()))
+            "attention_tc.cu": (
+                *(f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("decode", "decode8")),
+                *(t.kernel.format(d=d) for t in PREFILL_TILINGS.values() if not t.sm90_only
+                  for d in t.head_dims),
             ),
             "sampling.cu": (
                 "log_softmax_topk_k",
@@ -187,6 +191,36 @@ class CudaBackend:
         for n in ("attention_r1", "attention_r2", "attention_r4", *names["attention_tc.cu"]):
             fn = fns[n]
             getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
+        if cupy.cuda.Device().compute_capability == "90":
+            fns.update(self._compile_sm90a())
+        return fns
+
+    def _compile_sm90a(self) -> dict[str, Any]:
+        """The kernel files that need sm_90a (wgmma). CuPy's RawModule always adds the device's
+        generic -arch, so these go through NVRTC directly and load as a cubin."""
+        from cupy_backends.cuda.api import driver
+        from cupy_backends.cuda.libs import nvrtc
+
+        fns: dict[str, Any] = {}
+        for fname in ARCH_KERNEL_FILES:
+            prog = nvrtc.createProgram(translation_unit(fname), fname, [], [])
+            try:
+                nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
+                cubin = nvrtc.getCUBIN(prog)
+            except nvrtc.NVRTCError as exc:
+                raise RuntimeError(f"{fname} failed to compile:\n{nvrtc.getProgramLog(prog)}") from exc
+            finally:
+                nvrtc.destroyProgram(prog)
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            self._arch_modules.append(module)  # functions live as long as their module
+            smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            for t in PREFILL_TILINGS.values():
+                if t.sm90_only:
+                    for d in t.head_dims:
+                        fn = module.get_function(t.kernel.format(d=d))
+                        driver.funcSetAttribute(fn.ptr, smem_attr, _ATTN_SMEM_MAX)
+                        fns[t.kernel.format(d=d)] = fn
         return fns
 
     def _resident_blocks(self, kernel: str, smem: int, threads: int = 128) -> int:

@@ -12,8 +12,12 @@ from vt.kernels.attention_plan import TC_STAGES
 KERNEL_FILES: dict[str, tuple[str, ...]] = {
     "elementwise.cu": (),
     "attention.cu": (),
-    "attention_tc.cu": ("tensor_core.cu",),
+    "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu"),
     "sampling.cu": (),
+}
+# Kernel files that need an arch-specific target (wgmma: sm_90a), compiled only for such a device.
+ARCH_KERNEL_FILES: dict[str, tuple[str, ...]] = {
+    "attention_wg.cu": ("tensor_core.cu", "wgmma.cu", "attention_parts.cu"),
 }
 
 
@@ -32,6 +36,7 @@ def translation_unit(fname: str, replace: Mapping[str, str] | None = None) -> st
     prelude's text (the host simulator's PTX wrappers for tensor_core.cu)."""
     replace = replace or {}
     parts = [replace.get("cuda_common.cu", read_source("cuda_common.cu")), defines(fname)]
-    parts += [replace.get(p, read_source(p)) for p in KERNEL_FILES[fname]]
+    preludes = KERNEL_FILES[fname] if fname in KERNEL_FILES else ARCH_KERNEL_FILES[fname]
+    parts += [replace.get(p, read_source(p)) for p in preludes]
     parts.append(read_source(fname))
     return "\n".join(parts)

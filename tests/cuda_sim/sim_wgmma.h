@@ -1,0 +1,84 @@
+// Host versions of vt/kernels/wgmma.cu's wrappers. Shared-window addresses are offsets into the
+// simulator's shared buffer (1024-aligned, as the swizzle needs). A wgmma runs at once, when the
+// last of its warpgroup's 128 threads reaches it: the K-major, 128-byte-swizzled operands are read
+// through their descriptors (element (r, k) at start + (r / 8) * SBO + (r % 8) * 128 + 2 k, with
+// bits 4-6 of the address XORed by bits 7-9), and every thread's accumulators are written as the
+// m64nNk16 layout in wgmma.cu describes. Only the descriptors wgmma.cu builds are accepted.
+#pragma once
+
+typedef unsigned long long u64_t;
+
+inline unsigned smem_u32(const void* p) {
+    return (unsigned)(static_cast<const unsigned char*>(p) - sim::g_smem);
+}
+inline unsigned char* sim_smem(unsigned addr) { return sim::g_smem + addr; }
+
+inline void cp_async16_u32(unsigned dst, const void* src, int src_bytes) {
+    if (src_bytes) std::memcpy(sim_smem(dst), src, 16);
+    else std::memset(sim_smem(dst), 0, 16);
+}
+
+inline u64_t sw128_desc(unsigned addr) {
+    return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
+}
+inline unsigned sw128_at(unsigned base, int r, int ch) { return base + r * 128 + ((ch ^ (r & 7)) << 4); }
+
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int N>
+inline void wgmma_wait() {}
+inline void fence_proxy_async() {}
+inline void bar_sync(int id, int count) { sim::group_barrier(id, count, nullptr); }
+inline void st_shared_u32(unsigned addr, unsigned v) { std::memcpy(sim_smem(addr), &v, 4); }
+
+inline void st_cg4(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }
+inline bf16_t round_bf16(float v) { return sim_rn_bf16(v); }
+
+// bf16 element (r, k) of a swizzled K-major operand described by desc.
+inline float sim_operand(u64_t desc, int r, int k) {
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned lin = start + (unsigned)(r / 8) * sbo + (unsigned)(r % 8) * 128 + 2u * (unsigned)k;
+    const unsigned phys = lin ^ (((lin >> 7) & 7u) << 4);
+    uint16_t h;
+    std::memcpy(&h, sim_smem(phys), 2);
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+inline void sim_check_desc(u64_t desc) {
+    const bool ok = ((desc >> 16) & 0x3FFF) == 1 && ((desc >> 32) & 0x3FFF) == (1024 >> 4) && (desc >> 62) == 1 &&
+                    ((desc >> 49) & 7) == 0;
+    if (!ok) {
+        std::fprintf(stderr, "cuda_sim: a wgmma descriptor other than sw128_desc's (K-major, 128-byte swizzle)\n");
+        std::abort();
+    }
+}
+
+template <int N>
+struct Wgmma {
+    static void mma(float* d, u64_t a, u64_t b, int scale_d) {
+        sim::Block* blk = sim::block();
+        const int tid = (int)sim::me().tid.x, wg = tid / 128;
+        blk->wg_acc[tid] = d;
+        sim::group_barrier(32 + wg, 128, [&] {
+            sim_check_desc(a);
+            sim_check_desc(b);
+            float A[64][16], B[N][16];
+            for (int r = 0; r < 64; ++r)
+                for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(a, r, k);
+            for (int n = 0; n < N; ++n)
+                for (int k = 0; k < 16; ++k) B[n][k] = sim_operand(b, n, k);
+            for (int t = 0; t < 128; ++t) {
+                float* acc = blk->wg_acc[wg * 128 + t];
+                for (int j = 0; j < N / 2; ++j) {
+                    const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
+                    const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
+                    float s = 0.f;
+                    for (int k = 0; k < 16; ++k) s += A[row][k] * B[col][k];
+                    acc[j] = (scale_d ? acc[j] : 0.f) + s;
+                }
+            }
+        });
+    }
+    static void pin(float*) {}
+};

@@ -1,0 +1,191 @@
+// Prompt attention on Hopper's warpgroup MMA (wgmma, sm_90a): the contract of attention_tc.cu
+// (ragged batch over the paged cache, rows = (token, GQA head) pairs of one kv head, causal,
+// split partials in attention_combine_k's layout), head dim 128, for row tiles of 64 * NWG rows.
+//
+// Each warpgroup owns 64 rows. Per tile of 64 keys: S = Q K^T is one m64n64 wgmma chain (8
+// k-steps over the head dim) with Q and K read from shared memory; the online softmax runs on
+// the accumulators in registers (their layout is mma.m16n8's C fragments, so attention_tc.cu's
+// softmax_m_tile serves as is); P goes to shared memory as bf16 and O += P V is an m64n128 chain
+// (4 k-steps over the keys). Every operand is K-major with the 128-byte swizzle, the one layout
+// wgmma.cu's descriptors describe: Q [rows][dims] and K [keys][dims] are stored so by their
+// cp.async copies, P [rows][keys] by its stores, and V, which the cache holds [keys][dims], is
+// copied to a staging tile and transposed through ldmatrix into Vt [dims][keys] once per tile for
+// every warpgroup. K/V tiles arrive STAGES deep, their cache rows staged as 16-byte offsets
+// (KvPipe's scheme) a tile before the copies.
+//
+// Shared memory, from a 1024-aligned base: Q [2 halves of the head dim][ROWS][128 B]; per stage
+// K [2][64][128 B] then the V staging tile [64][D + 8]; Vt [128][128 B]; P [NWG][64][128 B]; the
+// cache row offsets [STAGES][64]. attention_plan.wg_smem computes the same total.
+
+#define WG_KT 64
+#define WG_D 128
+#define WG_SROW (WG_D + 8)                          // V staging row (bf16), ldmatrix conflict free
+#define WG_K_BYTES (2 * WG_KT * 128)                // a K tile: two 64-dim halves of 64 rows
+#define WG_STAGE_BYTES (WG_K_BYTES + WG_KT * WG_SROW * 2)
+
+template <int NWG, int STAGES>
+__device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
+    constexpr int NT = 128 * NWG;
+    constexpr int ROWS = 64 * NWG;
+    constexpr int Q_BYTES = 2 * ROWS * 128;
+    constexpr int PARTS = WG_D / 8;  // 16-byte pieces of a head row
+    static_assert(WG_STAGE_BYTES % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, WG_KT, true);
+    if (ab.row0 >= ab.nrows) return;
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    const int tile0 = ab.tile0, tile1 = ab.tile1;
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    const int g = lane >> 2, c = lane & 3;
+
+    // Addresses: u32 shared-window ones for wgmma and cp.async, generic ones for ldmatrix.
+    const unsigned raw = smem_u32(smem);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* gbase = smem + (base - raw);
+    const unsigned q_s = base;
+    const unsigned stage0 = base + Q_BYTES;
+    const unsigned vt_s = stage0 + STAGES * WG_STAGE_BYTES;
+    const unsigned p_s = vt_s + WG_D * 128 + wg * 64 * 128;
+    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (vt_s - base) + WG_D * 128 + NWG * 64 * 128);
+    const int* table = block_tables + (size_t)b * max_blocks;
+    constexpr unsigned NONE = 0xffffffffu;
+
+    // This thread's rows (g and g + 8 of its warp's 16) and the warpgroup's last position.
+    const int ra = row0 + wg * 64 + warp * 16 + g, rb = ra + 8;
+    const int pos_a = ra < nrows ? ctx - qlen + ra / group : -1;
+    const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
+    const int wlast = min(row0 + wg * 64 + 63, nrows - 1);
+    const int wg_pos = wlast >= row0 + wg * 64 ? ctx - qlen + wlast / group : -1;
+
+    // The cache row (in 16-byte units) of each key of `tile`, into its offset slot.
+    auto fetch = [&](int tile) {
+        if (tid < WG_KT && tile < tile1) {
+            const int kpos = tile * WG_KT + tid;
+            unsigned int off = NONE;
+            if (kpos < kv_end) {
+                const size_t blk = (size_t)table[kpos / block_size];
+                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
+            }
+            off_s[(tile % STAGES) * WG_KT + tid] = off;
+        }
+    };
+    // K into its swizzled halves, V into the staging tile.
+    auto load = [&](int tile) {
+        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        bf16_t* vstage = reinterpret_cast<bf16_t*>(gbase + (st - base) + WG_K_BYTES);
+        const unsigned int* offs = off_s + (tile % STAGES) * WG_KT;
+        for (int e = tid; e < WG_KT * PARTS; e += NT) {
+            const int key = e / PARTS, part = e % PARTS;
+            const unsigned int off = offs[key];
+            const bool ok = off != NONE;
+            const size_t src = ok ? ((size_t)off + part) * 8 : 0;
+            cp_async16_u32(sw128_at(st + (part / 8) * (WG_KT * 128), key, part % 8), k_cache + src, ok ? 16 : 0);
+            cp_async16(vstage + key * WG_SROW + part * 8, v_cache + src, ok);
+        }
+    };
+
+    for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
+    grid_dependency_wait();  // q and this step's K/V come from the kernel before
+    __syncthreads();
+    // Q, zero rows past the sequence's, then the first STAGES - 1 tiles: group i holds tile i
+    // (group 0 also Q).
+    for (int e = tid; e < ROWS * PARTS; e += NT) {
+        const int lr = e / PARTS, part = e % PARTS, r = row0 + lr;
+        const bool ok = r < nrows;
+        const bf16_t* src = ok ? q + (size_t)(q0 + r / group) * q_stride + (size_t)(kh * group + r % group) * WG_D + part * 8
+                               : q;
+        cp_async16_u32(sw128_at(q_s + (part / 8) * (ROWS * 128), lr, part % 8), src, ok ? 16 : 0);
+    }
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (tile0 + i < tile1) load(tile0 + i);
+        cp_async_commit();
+    }
+
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
+
+    for (int tile = tile0; tile < tile1; ++tile) {
+        // The tile has landed for every thread, and every warpgroup is done with the previous
+        // tile's stage, Vt and P.
+        cp_async_wait<STAGES - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        const int next = tile + STAGES - 1;
+        if (next < tile1) load(next);
+        cp_async_commit();
+        fetch(next + 1);  // its slot held the offsets of `tile`, copied steps ago
+
+        // V staging [keys][dims] -> Vt [dims][keys]: each ldmatrix.trans takes four 8 x 8 blocks.
+        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        const bf16_t* vstage = reinterpret_cast<const bf16_t*>(gbase + (st - base) + WG_K_BYTES);
+        for (int q4 = tid / 32; q4 < (WG_KT / 8) * (WG_D / 8) / 4; q4 += NT / 32) {
+            const int blk = q4 * 4 + lane / 8;  // the block whose row this lane addresses
+            const int kb = blk % (WG_KT / 8), db = blk / (WG_KT / 8);
+            unsigned int r[4];
+            ldsm_x4_t(r, vstage + (kb * 8 + lane % 8) * WG_SROW + db * 8);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int bi = q4 * 4 + i, kbi = bi % (WG_KT / 8), dbi = bi / (WG_KT / 8);
+                // lane holds Vt[8 dbi + lane / 4][8 kbi + 2 (lane % 4) .. + 1]
+                st_shared_u32(sw128_at(vt_s, dbi * 8 + lane / 4, kbi) + 4 * (lane % 4), r[i]);
+            }
+        }
+        fence_proxy_async();
+        __syncthreads();
+
+        const int kbase = tile * WG_KT;
+        if (kbase > wg_pos) continue;  // every key of this tile is after the warpgroup's last row
+
+        // S = Q K^T over the head dim's 8 k-steps (two swizzled halves of 4).
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + wg * 64 * 128 + (kk % 4) * 32;
+            const unsigned kb = st + (kk / 4) * (WG_KT * 128) + (kk % 4) * 32;
+            Wgmma<64>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kb), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        Wgmma<64>::pin(&s[0][0]);
+
+        unsigned int pa[8][2];
+        softmax_m_tile<8, 16>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, o, pa);
+        // P [64 rows][64 keys] of this warpgroup, K-major and swizzled: n-tile n is chunk n.
+        const int pr = warp * 16 + g;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            st_shared_u32(sw128_at(p_s, pr, n) + 4 * c, pa[n][0]);
+            st_shared_u32(sw128_at(p_s, pr + 8, n) + 4 * c, pa[n][1]);
+        }
+        fence_proxy_async();
+        bar_sync(1 + wg, 128);
+
+        // O += P V over the tile's 4 k-steps of 16 keys.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            Wgmma<128>::mma(&o[0][0], sw128_desc(p_s + kk * 32), sw128_desc(vt_s + kk * 32), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        Wgmma<128>::pin(&o[0][0]);
+    }
+    cp_async_wait<0>();
+
+    store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
+                       total_tokens, num_splits, out, part_o, part_ml);
+}
+
+#define ATTENTION_WG_ENTRY(NAME, NWG, STAGES)                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * NWG) NAME(ATTN_TC_PARAMS) {                 \
+        attention_wg_body<NWG, STAGES>(ATTN_TC_ARGS);                                              \
+    }
+
+ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2)
+ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2)

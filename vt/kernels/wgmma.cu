@@ -1,0 +1,99 @@
+// PTX wrappers of Hopper's warpgroup MMA (wgmma, sm_90a only) and what goes with it: 32-bit
+// shared-window addresses, shared-memory matrix descriptors for the 128-byte swizzle, the
+// async-proxy fence, named barriers. Like tensor_core.cu, kernels call only these, and
+// tests/cuda_sim has host versions of exactly this list.
+//
+// Operands are K-major in shared memory with the 128-byte swizzle: rows of 128 bytes (64 bf16 of
+// k), 8-row groups 1024 bytes apart, the 16-byte chunk c of row r stored at chunk c ^ (r % 8).
+// A k-step of 16 advances the descriptor's start by 32 bytes. m64nNk16 accumulators: thread t of
+// the warpgroup holds d[j] for row 16 (t / 32) + (t % 32) / 4 + 8 ((j / 2) % 2) and column
+// 8 (j / 4) + 2 (t % 4) + j % 2, i.e. per warp, mma.m16n8's C fragments n-tile after n-tile.
+
+typedef unsigned long long u64_t;
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// 16-byte global -> shared copy to a shared-window address; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async16_u32(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+// Descriptor of a K-major, 128-byte-swizzled operand starting at shared address addr.
+__device__ __forceinline__ u64_t sw128_desc(unsigned addr) {
+    return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
+}
+
+// Shared address of 16-byte chunk ch (0..7) of row r of a swizzled tile at a 1024-aligned base.
+__device__ __forceinline__ unsigned sw128_at(unsigned base, int r, int ch) {
+    return base + r * 128 + ((ch ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory writes of this thread (st.shared, cp.async) become visible to wgmma's reads
+// (the async proxy) once a barrier after this fence has been passed.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Barrier `id` (1..15; 0 is __syncthreads') among `count` threads, a multiple of 32.
+__device__ __forceinline__ void bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// A 32-bit word at a shared-window address.
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Float-typed stores and rounding: a bit cast of an accumulator (f2bf's, or a float4 store's)
+// makes the compiler carry the accumulators as integers through the k loop, moving them around
+// every wgmma.
+__device__ __forceinline__ void st_cg4(float* p, float a, float b, float c, float d) {
+    asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ bf16_t round_bf16(float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+    return h;
+}
+
+// d (m64nN accumulators, N / 2 a thread) (+)= A . B^T from descriptors; scale_d 0 overwrites.
+// pin(d) after wgmma_wait keeps the compiler from reading d before the wait.
+template <int N>
+struct Wgmma;
+
+// Accumulator operand lists: N / 2 floats of d, as "+f" constraints.
+#define WG_D4(i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#define WG_D8(i) WG_D4(i), WG_D4((i) + 4)
+#define WG_D16(i) WG_D8(i), WG_D8((i) + 8)
+#define WG_D32(i) WG_D16(i), WG_D16((i) + 16)
+#define WG_D64(i) WG_D32(i), WG_D32((i) + 32)
+
+// Wgmma<N>: the wgmma of that N; REGS names its accumulator operands, A, B and P the operand
+// numbers of the two descriptors and of scale_d.
+#define WGMMA_M64(NAME, N, ACC, REGS, A, B, P)                                                      \
+    template <>                                                                                    \
+    struct NAME {                                                                                  \
+        static __device__ __forceinline__ void mma(float* d, u64_t a, u64_t b, int scale_d) {      \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                            \
+                         "wgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" REGS "}, " A   \
+                         ", " B ", p, 1, 1, 0, 0;\n}\n"                                             \
+                         : ACC(0)                                                                  \
+                         : "l"(a), "l"(b), "r"(scale_d));                                          \
+        }                                                                                          \
+        static __device__ __forceinline__ void pin(float* d) { asm volatile("" : ACC(0)::"memory"); } \
+    };
+
+WGMMA_M64(Wgmma<16>, "16", WG_D8, "%0, %1, %2, %3, %4, %5, %6, %7",
+          "%8", "%9", "%10")
+WGMMA_M64(Wgmma<32>, "32", WG_D16, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+          "%16", "%17", "%18")
+WGMMA_M64(Wgmma<64>, "64", WG_D32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+          "%32", "%33", "%34")
+WGMMA_M64(Wgmma<128>, "128", WG_D64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
+          "%64", "%65", "%66")
