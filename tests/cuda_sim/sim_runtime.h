@@ -2,8 +2,10 @@
 // (ucontext), run round-robin; warp collectives (shuffles, votes, and the tensor-core wrappers in
 // sim_tensor_core.h) and __syncthreads are barriers between fibers. Blocks run one after another,
 // so one static buffer serves as every block's shared memory. Device pointers are host pointers.
-// This checks what a kernel computes (indexing, fragment layouts, masking, barriers' placement),
-// not its speed, and it cannot see a read that races an in-flight copy: copies land at once.
+// This checks what a kernel computes (indexing, fragment layouts, masking, barriers' placement,
+// waits: asynchronous work can be made to land only at its wait), not its speed. Threads switch
+// only at collectives and barriers, so a race between plain loads and stores of different warps
+// shows only as far as that order happens to expose it.
 #pragma once
 
 #include <cmath>
@@ -11,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <math.h>
 #include <ucontext.h>
@@ -55,12 +58,29 @@ constexpr size_t kStack = 256 * 1024;
 constexpr size_t kSmem = 256 * 1024;
 alignas(1024) inline unsigned char g_smem[kSmem];
 
+// When asynchronous work lands (cp.async copies, wgmma products). Early: at issue, which shows
+// a buffer refilled while others still read it. Late: only at the wait that guarantees it, which
+// shows a read before that wait. Tests run kernels both ways.
+struct Timing {
+    bool late_copies = false;
+    bool late_wgmma = false;
+};
+inline Timing& timing() { static Timing t; return t; }
+
+// A 16-byte copy in flight (src null: zero fill).
+struct Copy {
+    void* dst;
+    const void* src;
+};
+
 struct Fiber {
     ucontext_t ctx;
     uint3_ tid;
     int warp = 0, lane = 0;
     bool done = false;
     unsigned coll = 0;  // warp collectives this thread has passed: picks the exchange buffer
+    std::vector<Copy> open;             // copies since the last commit
+    std::deque<std::vector<Copy>> groups;  // committed, not yet waited for
 };
 
 // A warp's exchange area: each lane writes its inputs, all meet, each reads what it needs.
@@ -90,6 +110,7 @@ struct Block {
     ucontext_t sched;
     int cur = 0;
     long long idle_yields = 0;
+    unsigned long long serial = 0;  // blocks run so far: per-block state kept elsewhere resets on change
 };
 
 inline Block*& block() { static Block* b = nullptr; return b; }
@@ -198,6 +219,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
         for (unsigned y = 0; y < gy; ++y)
             for (unsigned x = 0; x < gx; ++x) {
                 block_idx() = {x, y, z};
+                ++b.serial;
                 std::memset(g_smem, 0xA5, smem_bytes);  // stale garbage, as a real block sees
                 b.live = (int)threads;
                 b.arrived = 0;
@@ -210,6 +232,8 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                     f.lane = (int)(t % 32);
                     f.done = false;
                     f.coll = 0;
+                    f.open.clear();
+                    f.groups.clear();
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = b.stacks.data() + (size_t)t * kStack;
                     f.ctx.uc_stack.ss_size = kStack;
@@ -225,6 +249,11 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
 }
 
 }  // namespace sim
+
+extern "C" void sim_set_timing(int late_copies, int late_wgmma) {
+    sim::timing().late_copies = late_copies != 0;
+    sim::timing().late_wgmma = late_wgmma != 0;
+}
 
 #define threadIdx (sim::me().tid)
 #define blockIdx (sim::block_idx())

@@ -10,13 +10,28 @@ inline float sim_bf(uint32_t w, int hi) { return __uint_as_float(hi ? (w & 0xfff
 
 inline unsigned int smem_addr(const void* p) { return (unsigned int)(uintptr_t)p; }
 
-inline void cp_async16(void* dst, const void* src, bool pred) {
-    if (pred) std::memcpy(dst, src, 16);
-    else std::memset(dst, 0, 16);
+inline void sim_land(const sim::Copy& c) {
+    if (c.src) std::memcpy(c.dst, c.src, 16);
+    else std::memset(c.dst, 0, 16);
 }
-inline void cp_async_commit() {}
+inline void cp_async16(void* dst, const void* src, bool pred) {
+    const sim::Copy c{dst, pred ? src : nullptr};
+    if (sim::timing().late_copies) sim::me().open.push_back(c);
+    else sim_land(c);
+}
+inline void cp_async_commit() {
+    sim::Fiber& f = sim::me();
+    f.groups.push_back(std::move(f.open));
+    f.open.clear();
+}
 template <int N>
-inline void cp_async_wait() {}
+inline void cp_async_wait() {
+    sim::Fiber& f = sim::me();
+    while (f.groups.size() > (size_t)N) {
+        for (const sim::Copy& c : f.groups.front()) sim_land(c);
+        f.groups.pop_front();
+    }
+}
 
 inline void sim_ldsm(unsigned int* r, const void* p, bool trans) {
     const int lane = sim::me().lane;

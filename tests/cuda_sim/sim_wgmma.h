@@ -14,8 +14,7 @@ inline unsigned smem_u32(const void* p) {
 inline unsigned char* sim_smem(unsigned addr) { return sim::g_smem + addr; }
 
 inline void cp_async16_u32(unsigned dst, const void* src, int src_bytes) {
-    if (src_bytes) std::memcpy(sim_smem(dst), src, 16);
-    else std::memset(sim_smem(dst), 0, 16);
+    cp_async16(sim_smem(dst), src, src_bytes != 0);
 }
 
 inline u64_t sw128_desc(unsigned addr) {
@@ -23,10 +22,48 @@ inline u64_t sw128_desc(unsigned addr) {
 }
 inline unsigned sw128_at(unsigned base, int r, int ch) { return base + r * 128 + ((ch ^ (r & 7)) << 4); }
 
+// A warpgroup's wgmma in flight: its product runs at issue or, late, at the wait that needs it.
+struct SimWgmma {
+    void (*run)(const SimWgmma&);
+    u64_t a, b;
+    int scale_d;
+    float* acc[128];
+};
+struct SimWgmmaQueue {
+    std::vector<SimWgmma> open;
+    std::deque<std::vector<SimWgmma>> groups;
+    unsigned long long serial = 0;
+};
+inline SimWgmmaQueue& sim_wg_queue(int wg) {
+    static SimWgmmaQueue q[8];
+    SimWgmmaQueue& mine = q[wg];
+    if (mine.serial != sim::block()->serial) {  // a new block: nothing of the last one is in flight
+        mine = SimWgmmaQueue{};
+        mine.serial = sim::block()->serial;
+    }
+    return mine;
+}
+
 inline void wgmma_fence() {}
-inline void wgmma_commit() {}
+inline void wgmma_commit() {
+    const int wg = (int)sim::me().tid.x / 128;
+    sim::group_barrier(40 + wg, 128, [wg] {
+        SimWgmmaQueue& q = sim_wg_queue(wg);
+        q.groups.push_back(std::move(q.open));
+        q.open.clear();
+    });
+}
 template <int N>
-inline void wgmma_wait() {}
+inline void wgmma_wait() {
+    const int wg = (int)sim::me().tid.x / 128;
+    sim::group_barrier(48 + wg, 128, [wg] {
+        SimWgmmaQueue& q = sim_wg_queue(wg);
+        while (q.groups.size() > (size_t)N) {
+            for (const SimWgmma& w : q.groups.front()) w.run(w);
+            q.groups.pop_front();
+        }
+    });
+}
 inline void fence_proxy_async() {}
 inline void bar_sync(int id, int count) { sim::group_barrier(id, count, nullptr); }
 inline void st_shared_u32(unsigned addr, unsigned v) { std::memcpy(sim_smem(addr), &v, 4); }
@@ -56,28 +93,34 @@ inline void sim_check_desc(u64_t desc) {
 
 template <int N>
 struct Wgmma {
+    static void run(const SimWgmma& w) {
+        sim_check_desc(w.a);
+        sim_check_desc(w.b);
+        float A[64][16], B[N][16];
+        for (int r = 0; r < 64; ++r)
+            for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(w.a, r, k);
+        for (int n = 0; n < N; ++n)
+            for (int k = 0; k < 16; ++k) B[n][k] = sim_operand(w.b, n, k);
+        for (int t = 0; t < 128; ++t) {
+            float* acc = w.acc[t];
+            for (int j = 0; j < N / 2; ++j) {
+                const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
+                const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
+                float s = 0.f;
+                for (int k = 0; k < 16; ++k) s += A[row][k] * B[col][k];
+                acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
+            }
+        }
+    }
     static void mma(float* d, u64_t a, u64_t b, int scale_d) {
         sim::Block* blk = sim::block();
         const int tid = (int)sim::me().tid.x, wg = tid / 128;
         blk->wg_acc[tid] = d;
         sim::group_barrier(32 + wg, 128, [&] {
-            sim_check_desc(a);
-            sim_check_desc(b);
-            float A[64][16], B[N][16];
-            for (int r = 0; r < 64; ++r)
-                for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(a, r, k);
-            for (int n = 0; n < N; ++n)
-                for (int k = 0; k < 16; ++k) B[n][k] = sim_operand(b, n, k);
-            for (int t = 0; t < 128; ++t) {
-                float* acc = blk->wg_acc[wg * 128 + t];
-                for (int j = 0; j < N / 2; ++j) {
-                    const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
-                    const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
-                    float s = 0.f;
-                    for (int k = 0; k < 16; ++k) s += A[row][k] * B[col][k];
-                    acc[j] = (scale_d ? acc[j] : 0.f) + s;
-                }
-            }
+            SimWgmma w{run, a, b, scale_d, {}};
+            for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
+            if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
+            else run(w);
         });
     }
     static void pin(float*) {}

@@ -1,7 +1,9 @@
-"""The tensor-core attention kernels (attention_tc.cu, the source NVRTC compiles) run on the host
-simulator in tests/cuda_sim and match the numpy twin: every tiling the plan picks, ragged and
-paged batches, GQA groups, split keys. On a GPU, tests/gpu/test_cuda_ops.py runs the same
-kernels for real; here CI checks their indexing and fragment layouts without one."""
+"""The tensor-core attention kernels (attention_tc.cu and attention_wg.cu, the sources NVRTC
+compiles) run on the host simulator in tests/cuda_sim and match the numpy twin: every tiling the
+plan picks, ragged and paged batches, GQA groups, split keys. Asynchronous copies and wgmma
+products land at their waits unless a test says otherwise, so a missing wait fails. On a GPU,
+tests/gpu/test_cuda_ops.py runs the same kernels for real; here CI checks their indexing,
+fragment layouts and waits without one."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16):
+def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16, late=True):
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
     scale = d**-0.5
     ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
@@ -63,7 +65,8 @@ def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFI
     plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling)
     assert plan.tensor_cores, "these cases are for the tensor-core kernels"
     grid = (plan.row_tiles, hk, len(q_lens) * splits)
-    out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits)
+    out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits,
+                     late=late)
     assert _rel_err(_float(out), ref) < BF16_TOL, plan.name
     return plan.name
 
@@ -97,9 +100,12 @@ def test_tensor_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, k
         ([200], [200], 4, 1, 128),  # a warp's m-tiles at different causal limits in every tile
     ],
 )
-def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, hk, d):
+@pytest.mark.parametrize("late", [True, False], ids=["late", "early"])
+def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, hk, d, late):
+    """late: copies and wgmma products land at their waits (a missing wait reads stale data);
+    early: at issue (a stage refilled while another warp still reads it shows)."""
     rng = np.random.default_rng(sum(ctx_lens) + hq)
-    name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, tiling=tiling)
+    name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, tiling=tiling, late=late)
     t = PREFILL_TILINGS[tiling if d in PREFILL_TILINGS[tiling].head_dims else DEFAULT_PREFILL_TILING]
     assert name == t.kernel.format(d=d)
 
