@@ -1,6 +1,6 @@
 """Every CUDA kernel file compiles with NVRTC for sm_90a, as cuda_ops builds it, on a machine with
-no GPU; the tensor-core attention kernels keep every value in registers (a spill to local memory
-is a slowdown only a GPU run would otherwise show)."""
+no GPU; the tensor-core attention kernels keep every value in registers and no wgmma is
+serialized (slowdowns only a GPU run would otherwise show)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def test_tensor_core_attention_fits_its_registers(reports):
             "attention_tc_d128_decode", "attention_tc_d128_decode8", "attention_wg_d128_prefill"} <= set(res)
     for r in res.values():
         assert r.spill_stores == 0 and r.spill_loads == 0, r
+
+
+def test_no_wgmma_is_serialized(reports):
+    """ptxas serializes every wgmma of a kernel when one depends on a branch or lacks registers
+    (warning C7520, "Potential Performance Loss"): the overlap the kernel was written for is gone."""
+    _, log = reports["attention_wg.cu"]
+    assert "Potential Performance Loss" not in log, log

@@ -14,12 +14,13 @@
         part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits
 
 // Scores of 16 rows (a: g, b: g + 8 of the m-tile) over 8 * NS keys from kbase, masked
-// causally, through the online softmax: updates (m, l), rescales o, and leaves P as the bf16
-// A fragments of the P.V product (pa[n]: n-tile n's rows a, b).
-template <int NS, int DN>
-__device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
-                                               float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
-                                               float (&o)[DN][4], unsigned int (&pa)[NS][2]) {
+// causally, through the online softmax: updates (m, l), leaves P as the bf16 A fragments of the
+// P.V product (pa[n]: n-tile n's rows a, b), and returns the factors (corr_a, corr_b) the
+// accumulated output must be scaled by before P.V is added.
+template <int NS>
+__device__ __forceinline__ float2 softmax_scores(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
+                                                 float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
+                                                 unsigned int (&pa)[NS][2]) {
     float mx_a = -VT_INF, mx_b = -VT_INF;
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
@@ -53,12 +54,24 @@ __device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int
     }
     l_a = l_a * corr_a + sum_a;
     l_b = l_b * corr_b + sum_b;
+    return make_float2(corr_a, corr_b);
+}
+
+template <int DN>
+__device__ __forceinline__ void rescale_m_tile(float (&o)[DN][4], float2 corr) {
 #pragma unroll
     for (int n = 0; n < DN; ++n) {
-        o[n][0] *= corr_a; o[n][1] *= corr_a; o[n][2] *= corr_b; o[n][3] *= corr_b;
+        o[n][0] *= corr.x; o[n][1] *= corr.x; o[n][2] *= corr.y; o[n][3] *= corr.y;
     }
 }
 
+// softmax_scores, then the output scaled at once.
+template <int NS, int DN>
+__device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
+                                               float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
+                                               float (&o)[DN][4], unsigned int (&pa)[NS][2]) {
+    rescale_m_tile<DN>(o, softmax_scores<NS>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, pa));
+}
 
 // The output of a 16-row m-tile whose rows a (this thread's g) and b (g + 8) are ra and rb, with
 // row sums already summed over the quad: normalised bf16 rows (one split) or the split's

@@ -19,12 +19,12 @@ def tc_smem(d: int, stages: int, q_rows: int = 0) -> int:
     return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q_rows * (d + 8) * 2
 
 
-def wg_smem(nwg: int, stages: int) -> int:
+def wg_smem(nwg: int, stages: int, bufs: int = 1) -> int:
     """Dynamic shared memory of attention_wg.cu's block (head dim 128): the 1024-byte alignment
-    pad, Q [2][64 nwg][128 B], per stage a swizzled K tile and a padded V staging tile, Vt, each
-    warpgroup's P, and the cache row offsets."""
-    return (1024 + 2 * 64 * nwg * 128 + stages * (2 * 64 * 128 + 64 * 136 * 2) + 128 * 128
-            + nwg * 64 * 128 + stages * 64 * 4)
+    pad, Q [2][64 nwg][128 B], per stage a swizzled K tile and a padded V staging tile, `bufs` Vt
+    and each warpgroup's `bufs` P, and the cache row offsets."""
+    return (1024 + 2 * 64 * nwg * 128 + stages * (2 * 64 * 128 + 64 * 136 * 2) + bufs * 128 * 128
+            + nwg * bufs * 64 * 128 + stages * 64 * 4)
 
 
 class PrefillTiling(NamedTuple):
@@ -39,7 +39,7 @@ class PrefillTiling(NamedTuple):
 
     def smem(self, d: int) -> int:
         if self.kernel.startswith("attention_wg"):
-            return wg_smem(self.rows // 64, 2)
+            return wg_smem(self.rows // 64, 2, 2 if self.kernel.startswith("attention_wgp") else 1)
         if self.kernel.endswith("_m2"):
             return tc_smem(d, 2, self.rows)
         return tc_smem(d, TC_STAGES)
@@ -48,7 +48,8 @@ class PrefillTiling(NamedTuple):
 # r64: four warps of 16 rows (the default, measured on the H200). w8: eight warps of 16 rows,
 # half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
 # half the fragment loads a product, two blocks an SM. wg, wg3: two or three warpgroups of 64
-# rows on wgmma (attention_wg.cu, sm_90 only), one block an SM. Every tiling but r64 is built and
+# rows on wgmma (attention_wg.cu, sm_90 only), one block an SM; wgp: wg with each tile's P V
+# running during the next tile's softmax. Every tiling but r64 is built and
 # checked (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a
 # benchmark. A head dim a tiling lacks runs on r64.
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
@@ -57,6 +58,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128),
     "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, sm90_only=True),
     "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, sm90_only=True),
+    "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, sm90_only=True),
 }
 DEFAULT_PREFILL_TILING = "r64"
 

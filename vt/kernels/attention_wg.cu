@@ -23,12 +23,13 @@
 #define WG_K_BYTES (2 * WG_KT * 128)                // a K tile: two 64-dim halves of 64 rows
 #define WG_STAGE_BYTES (WG_K_BYTES + WG_KT * WG_SROW * 2)
 
-template <int NWG, int STAGES>
+template <int NWG, int STAGES, bool OVERLAP>
 __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     constexpr int NT = 128 * NWG;
     constexpr int ROWS = 64 * NWG;
     constexpr int Q_BYTES = 2 * ROWS * 128;
     constexpr int PARTS = WG_D / 8;  // 16-byte pieces of a head row
+    constexpr int BUFS = OVERLAP ? 2 : 1;  // Vt and P buffers: tile t's in buffer t % BUFS
     static_assert(WG_STAGE_BYTES % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
     extern __shared__ __align__(16) unsigned char smem[];
 
@@ -46,9 +47,10 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     unsigned char* gbase = smem + (base - raw);
     const unsigned q_s = base;
     const unsigned stage0 = base + Q_BYTES;
-    const unsigned vt_s = stage0 + STAGES * WG_STAGE_BYTES;
-    const unsigned p_s = vt_s + WG_D * 128 + wg * 64 * 128;
-    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (vt_s - base) + WG_D * 128 + NWG * 64 * 128);
+    const unsigned vt_s = stage0 + STAGES * WG_STAGE_BYTES;           // [BUFS][128][128 B]
+    const unsigned p_s = vt_s + BUFS * WG_D * 128 + wg * BUFS * 64 * 128;  // this warpgroup's [BUFS][64][128 B]
+    unsigned int* off_s =
+        reinterpret_cast<unsigned int*>(gbase + (vt_s - base) + BUFS * WG_D * 128 + NWG * BUFS * 64 * 128);
     const int* table = block_tables + (size_t)b * max_blocks;
     constexpr unsigned NONE = 0xffffffffu;
 
@@ -108,9 +110,26 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
     float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
 
-    for (int tile = tile0; tile < tile1; ++tile) {
-        // The tile has landed for every thread, and every warpgroup is done with the previous
-        // tile's stage, Vt and P.
+    // O += P V of the tile in buffer `buf` (its P and Vt) as one chain of 4 k-steps of 16 keys.
+    auto issue_pv = [&](int buf) {
+        const unsigned pb = p_s + buf * 64 * 128, vb = vt_s + buf * WG_D * 128;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            Wgmma<128>::mma(&o[0][0], sw128_desc(pb + kk * 32), sw128_desc(vb + kk * 32), 1);
+        wgmma_commit();
+    };
+    if constexpr (OVERLAP) {
+        // Every step issues the previous tile's P V; before the first, a zero P (and a finite
+        // Vt) make it add nothing, so no wgmma sits on a branch (ptxas serializes those).
+        for (int e = tid; e < BUFS * (WG_D + NWG * 64) * 8; e += NT)
+            st_shared_u32(vt_s + e * 16, 0u), st_shared_u32(vt_s + e * 16 + 4, 0u),
+                st_shared_u32(vt_s + e * 16 + 8, 0u), st_shared_u32(vt_s + e * 16 + 12, 0u);
+    }
+
+    int buf = 0;  // this tile's Vt and P buffer
+    for (int tile = tile0; tile < tile1; ++tile, buf = (buf + 1) % BUFS) {
+        // The tile has landed for every thread, and every warpgroup is done with the stage, the
+        // Vt and the P that this step refills.
         cp_async_wait<STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
@@ -121,6 +140,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
 
         // V staging [keys][dims] -> Vt [dims][keys]: each ldmatrix.trans takes four 8 x 8 blocks.
         const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        const unsigned vt = vt_s + buf * WG_D * 128;
         const bf16_t* vstage = reinterpret_cast<const bf16_t*>(gbase + (st - base) + WG_K_BYTES);
         for (int q4 = tid / 32; q4 < (WG_KT / 8) * (WG_D / 8) / 4; q4 += NT / 32) {
             const int blk = q4 * 4 + lane / 8;  // the block whose row this lane addresses
@@ -131,16 +151,19 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             for (int i = 0; i < 4; ++i) {
                 const int bi = q4 * 4 + i, kbi = bi % (WG_KT / 8), dbi = bi / (WG_KT / 8);
                 // lane holds Vt[8 dbi + lane / 4][8 kbi + 2 (lane % 4) .. + 1]
-                st_shared_u32(sw128_at(vt_s, dbi * 8 + lane / 4, kbi) + 4 * (lane % 4), r[i]);
+                st_shared_u32(sw128_at(vt, dbi * 8 + lane / 4, kbi) + 4 * (lane % 4), r[i]);
             }
         }
         fence_proxy_async();
         __syncthreads();
 
         const int kbase = tile * WG_KT;
-        if (kbase > wg_pos) continue;  // every key of this tile is after the warpgroup's last row
+        // Without OVERLAP a tile after the warpgroup's last row is skipped; with it, it is
+        // computed (fully masked, it adds nothing) to keep every wgmma off a branch.
+        if (!OVERLAP && kbase > wg_pos) continue;
 
-        // S = Q K^T over the head dim's 8 k-steps (two swizzled halves of 4).
+        // S = Q K^T over the head dim's 8 k-steps (two swizzled halves of 4); with OVERLAP the
+        // previous tile's P V follows it into the tensor cores and runs during this softmax.
         float s[8][4];
 #pragma unroll
         for (int n = 0; n < 8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
@@ -152,27 +175,41 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             Wgmma<64>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kb), kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (OVERLAP) {
+            issue_pv(1 - buf);
+            wgmma_wait<1>();  // S has landed; the P V may still run
+        } else {
+            wgmma_wait<0>();
+        }
         Wgmma<64>::pin(&s[0][0]);
 
         unsigned int pa[8][2];
-        softmax_m_tile<8, 16>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, o, pa);
+        const float2 corr = softmax_scores<8>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, pa);
         // P [64 rows][64 keys] of this warpgroup, K-major and swizzled: n-tile n is chunk n.
+        const unsigned pb = p_s + buf * 64 * 128;
         const int pr = warp * 16 + g;
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-            st_shared_u32(sw128_at(p_s, pr, n) + 4 * c, pa[n][0]);
-            st_shared_u32(sw128_at(p_s, pr + 8, n) + 4 * c, pa[n][1]);
+            st_shared_u32(sw128_at(pb, pr, n) + 4 * c, pa[n][0]);
+            st_shared_u32(sw128_at(pb, pr + 8, n) + 4 * c, pa[n][1]);
         }
+        if constexpr (OVERLAP) {  // the output is scaled only once the product adding into it is done
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+        }
+        rescale_m_tile<16>(o, corr);
         fence_proxy_async();
         bar_sync(1 + wg, 128);
-
-        // O += P V over the tile's 4 k-steps of 16 keys.
+        if constexpr (!OVERLAP) {
+            wgmma_fence();
+            issue_pv(buf);
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+        }
+    }
+    if constexpr (OVERLAP) {  // the last tile's P V (a zero P when there was no tile)
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            Wgmma<128>::mma(&o[0][0], sw128_desc(p_s + kk * 32), sw128_desc(vt_s + kk * 32), 1);
-        wgmma_commit();
+        issue_pv(1 - buf);
         wgmma_wait<0>();
         Wgmma<128>::pin(&o[0][0]);
     }
@@ -182,10 +219,11 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
                        total_tokens, num_splits, out, part_o, part_ml);
 }
 
-#define ATTENTION_WG_ENTRY(NAME, NWG, STAGES)                                                     \
+#define ATTENTION_WG_ENTRY(NAME, NWG, STAGES, OVERLAP)                                            \
     extern "C" __global__ void __launch_bounds__(128 * NWG) NAME(ATTN_TC_PARAMS) {                 \
-        attention_wg_body<NWG, STAGES>(ATTN_TC_ARGS);                                              \
+        attention_wg_body<NWG, STAGES, OVERLAP>(ATTN_TC_ARGS);                                     \
     }
 
-ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2)
-ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2)
+ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2, false)
+ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2, false)
+ATTENTION_WG_ENTRY(attention_wgp_d128_prefill, 2, 2, true)
