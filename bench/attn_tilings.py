@@ -2,8 +2,8 @@
 time, TFLOP/s, and the output's relative difference from the default tiling's.
 
 Shapes are Qwen3-8B's and Qwen3-0.6B's attention (head dim 128, 8 kv heads, 32 or 16 q heads):
-one prompt alone (2k, 8k), a 2048-token chunk at the end of an 8k context (chunked prefill), and
-four 1k prompts in one step. Each launch is timed as kernel_bench times ops (graph replays).
+one prompt alone (2k, 8k), a 2048-token chunk at the end of an 8k and of a 32k context (chunked
+prefill), and four 1k prompts in one step. Each launch is timed as kernel_bench times ops (graph replays).
 
     python3 bench/attn_tilings.py [--json out.json]
 """
@@ -75,7 +75,8 @@ def main() -> None:
     be = CudaBackend(workspace_bytes=1 << 30)
     rng = np.random.default_rng(0)
     cases = [("2k alone", [2048], [2048]), ("8k alone", [8192], [8192]),
-             ("2k chunk at 8k", [2048], [8192]), ("4 x 1k", [1024] * 4, [1024] * 4)]
+             ("2k chunk at 8k", [2048], [8192]), ("2k chunk at 32k", [2048], [32768]),
+             ("4 x 1k", [1024] * 4, [1024] * 4)]
     rows = []
     print(f"{'heads':>6s} {'case':16s} {'tiling':7s} {'us':>9s} {'TFLOP/s':>8s} {'vs default':>10s} "
           f"{'rel diff':>9s}")

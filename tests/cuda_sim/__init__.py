@@ -117,17 +117,19 @@ class SimAttention:
     def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
                seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
-               late: bool = False) -> np.ndarray:
+               late: bool = False, order: int = 0) -> np.ndarray:
         """late: asynchronous copies and wgmma products land only at the waits that guarantee
         them (a read before its wait sees stale data); otherwise at issue (a buffer refilled
-        while still read shows)."""
+        while still read shows). order: which thread runs when one blocks (sim_runtime.h: 0
+        round-robin, 1 lowest first, 2 highest first, 3+ seeded random); a barrier missing
+        between warps shows in the orders that let one run ahead."""
         t, hq, d = q.shape
         _, bs, hk, _ = k_cache.shape
         out = np.zeros((t, hq, d), np.uint16)
         part_o = np.zeros((splits, t, hq, d), np.float32) if splits > 1 else None
         part_ml = np.zeros((splits, t, hq, 2), np.float32) if splits > 1 else None
         lib = self.wg if kernel.startswith("attention_wg") else self.tc
-        lib.sim_set_timing(int(late), int(late))
+        lib.sim_set_timing(int(late), int(late), ctypes.c_uint(order))
         fn = getattr(lib, f"sim_{kernel}")
         fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),

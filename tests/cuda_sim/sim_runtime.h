@@ -61,9 +61,13 @@ alignas(1024) inline unsigned char g_smem[kSmem];
 // When asynchronous work lands (cp.async copies, wgmma products). Early: at issue, which shows
 // a buffer refilled while others still read it. Late: only at the wait that guarantees it, which
 // shows a read before that wait. Tests run kernels both ways.
+// order: which waiting-free thread runs next when one blocks. 0: round-robin; 1: the lowest
+// (warp 0 runs ahead of the others as far as barriers let it); 2: the highest; 3 and up: a
+// random one, seeded. A barrier missing between warps shows in the orders that skew them.
 struct Timing {
     bool late_copies = false;
     bool late_wgmma = false;
+    unsigned order = 0;
 };
 inline Timing& timing() { static Timing t; return t; }
 
@@ -79,6 +83,8 @@ struct Fiber {
     int warp = 0, lane = 0;
     bool done = false;
     unsigned coll = 0;  // warp collectives this thread has passed: picks the exchange buffer
+    const unsigned* wait_gen = nullptr;  // blocked until *wait_gen != wait_val
+    unsigned wait_val = 0;
     std::vector<Copy> open;             // copies since the last commit
     std::deque<std::vector<Copy>> groups;  // committed, not yet waited for
 };
@@ -109,9 +115,41 @@ struct Block {
     unsigned gen = 0;
     ucontext_t sched;
     int cur = 0;
-    long long idle_yields = 0;
     unsigned long long serial = 0;  // blocks run so far: per-block state kept elsewhere resets on change
+    unsigned long long rng = 0;
 };
+
+inline bool runnable(const Fiber& f) { return !f.done && (!f.wait_gen || *f.wait_gen != f.wait_val); }
+
+// The thread to run after `prev` (itself only when no other can run; -1: none can).
+inline int next_fiber(Block* b, int prev, unsigned order) {
+    const int n = (int)b->fibers.size();
+    int pick = -1;
+    if (order == 1 || order == 2) {
+        for (int i = 0; i < n && pick < 0; ++i) {
+            const int c = order == 1 ? i : n - 1 - i;
+            if (c != prev && runnable(b->fibers[c])) pick = c;
+        }
+    } else if (order >= 3) {
+        int count = 0;
+        for (int c = 0; c < n; ++c) count += c != prev && runnable(b->fibers[c]);
+        if (count) {
+            b->rng ^= b->rng << 13;
+            b->rng ^= b->rng >> 7;
+            b->rng ^= b->rng << 17;
+            int k = (int)(b->rng % (unsigned long long)count);
+            for (int c = 0; c < n; ++c)
+                if (c != prev && runnable(b->fibers[c]) && k-- == 0) { pick = c; break; }
+        }
+    } else {
+        for (int i = 1; i < n && pick < 0; ++i) {
+            const int c = (prev + i) % n;
+            if (runnable(b->fibers[c])) pick = c;
+        }
+    }
+    if (pick < 0 && prev >= 0 && runnable(b->fibers[prev])) pick = prev;
+    return pick;
+}
 
 inline Block*& block() { static Block* b = nullptr; return b; }
 inline Fiber& me() { return block()->fibers[block()->cur]; }
@@ -120,29 +158,39 @@ inline uint3_& block_idx() { static uint3_ v; return v; }
 inline uint3_& block_dim() { static uint3_ v; return v; }
 inline std::function<void()>& body() { static std::function<void()> f; return f; }
 
+inline void deadlock() {
+    std::fprintf(stderr, "cuda_sim: deadlock in block (%u, %u, %u): a barrier some threads never reach\n",
+                 block_idx().x, block_idx().y, block_idx().z);
+    std::abort();
+}
+
+// Switch straight to the next thread to run, not through the scheduler.
 inline void yield() {
     Block* b = block();
-    if (++b->idle_yields > 64LL * (long long)b->fibers.size() + 1024) {
-        std::fprintf(stderr, "cuda_sim: deadlock in block (%u, %u, %u): a barrier some threads never reach\n",
-                     block_idx().x, block_idx().y, block_idx().z);
-        std::abort();
-    }
-    // Straight to the next thread that has not exited (round-robin), not through the scheduler.
-    const int n = (int)b->fibers.size(), prev = b->cur;
-    int next = prev;
-    do { next = (next + 1) % n; } while (b->fibers[next].done);
+    const int prev = b->cur, next = next_fiber(b, prev, timing().order);
+    if (next < 0) deadlock();
     if (next == prev) return;
     b->cur = next;
     swapcontext(&b->fibers[prev].ctx, &b->fibers[next].ctx);
+}
+
+// Block this thread until *gen moves on from `val`.
+inline void wait_for(const unsigned* gen, unsigned val) {
+    Fiber& f = me();
+    while (*gen == val) {
+        f.wait_gen = gen;
+        f.wait_val = val;
+        yield();
+    }
+    f.wait_gen = nullptr;
 }
 
 inline void warp_barrier() {
     Block* b = block();
     WarpX& w = b->warps[me().warp];
     const unsigned gen = w.gen;
-    b->idle_yields = 0;
     if (++w.arrived == w.live) { w.arrived = 0; ++w.gen; return; }
-    while (w.gen == gen) yield();
+    wait_for(&w.gen, gen);
 }
 
 // Threads meet at group `key` (count of them); the last to arrive runs `last` before releasing.
@@ -150,14 +198,13 @@ inline void group_barrier(int key, int count, const std::function<void()>& last)
     Block* b = block();
     Group& g = b->groups[key];
     const unsigned gen = g.gen;
-    b->idle_yields = 0;
     if (++g.arrived == count) {
         if (last) last();
         g.arrived = 0;
         ++g.gen;
         return;
     }
-    while (g.gen == gen) yield();
+    wait_for(&g.gen, gen);
 }
 
 // This lane's slot of its warp's current exchange buffer, then the barrier and the buffer to read.
@@ -177,9 +224,8 @@ inline XOut xmeet() {
 inline void block_barrier() {
     Block* b = block();
     const unsigned gen = b->gen;
-    b->idle_yields = 0;
     if (++b->arrived == b->live) { b->arrived = 0; ++b->gen; return; }
-    while (b->gen == gen) yield();
+    wait_for(&b->gen, gen);
 }
 
 inline void fiber_main() {
@@ -187,7 +233,6 @@ inline void fiber_main() {
     Block* b = block();
     Fiber& f = me();
     f.done = true;
-    b->idle_yields = 0;
     WarpX& w = b->warps[f.warp];
     // Threads that have exited no longer hold back the barriers the others wait at.
     if (--w.live > 0 && w.arrived == w.live) { w.arrived = 0; ++w.gen; }
@@ -196,9 +241,8 @@ inline void fiber_main() {
         swapcontext(&f.ctx, &b->sched);  // the block is done
         return;
     }
-    const int n = (int)b->fibers.size(), prev = b->cur;
-    int next = prev;
-    do { next = (next + 1) % n; } while (b->fibers[next].done);
+    const int next = next_fiber(b, b->cur, timing().order);
+    if (next < 0) deadlock();
     b->cur = next;
     swapcontext(&f.ctx, &b->fibers[next].ctx);
 }
@@ -220,6 +264,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
             for (unsigned x = 0; x < gx; ++x) {
                 block_idx() = {x, y, z};
                 ++b.serial;
+                b.rng = ((timing().order + 1) * 0x9E3779B97F4A7C15ull) ^ (b.serial * 0xBF58476D1CE4E5B9ull);
                 std::memset(g_smem, 0xA5, smem_bytes);  // stale garbage, as a real block sees
                 b.live = (int)threads;
                 b.arrived = 0;
@@ -231,6 +276,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                     f.warp = (int)(t / 32);
                     f.lane = (int)(t % 32);
                     f.done = false;
+                    f.wait_gen = nullptr;
                     f.coll = 0;
                     f.open.clear();
                     f.groups.clear();
@@ -240,7 +286,6 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                     f.ctx.uc_link = nullptr;
                     makecontext(&f.ctx, fiber_main, 0);
                 }
-                b.idle_yields = 0;
                 b.cur = 0;
                 swapcontext(&b.sched, &b.fibers[0].ctx);  // back when every thread has exited
             }
@@ -250,9 +295,10 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
 
 }  // namespace sim
 
-extern "C" void sim_set_timing(int late_copies, int late_wgmma) {
+extern "C" void sim_set_timing(int late_copies, int late_wgmma, unsigned order) {
     sim::timing().late_copies = late_copies != 0;
     sim::timing().late_wgmma = late_wgmma != 0;
+    sim::timing().order = order;
 }
 
 #define threadIdx (sim::me().tid)

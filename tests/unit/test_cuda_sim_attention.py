@@ -57,7 +57,8 @@ def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16, late=True):
+def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16, late=True,
+           order=0):
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
     scale = d**-0.5
     ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
@@ -66,7 +67,7 @@ def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFI
     assert plan.tensor_cores, "these cases are for the tensor-core kernels"
     grid = (plan.row_tiles, hk, len(q_lens) * splits)
     out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits,
-                     late=late)
+                     late=late, order=order)
     assert _rel_err(_float(out), ref) < BF16_TOL, plan.name
     return plan.name
 
@@ -116,10 +117,22 @@ def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, h
     ([33, 1, 90], [97, 5, 90], 16, 2),  # group 8, a decode row among prompts, partial tiles
 ])
 @pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp"])
-def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk):
-    """attention_wg.cu (wgmma, warpgroups of 64 rows) on more shapes than the shared cases."""
-    name = _check(sim, np.random.default_rng(5), q_lens, ctx_lens, hq, hk, 128, tiling=tiling)
+@pytest.mark.parametrize("order", [0, 1, 2, 3], ids=["round-robin", "low-first", "high-first", "random"])
+def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk, order):
+    """attention_wg.cu (wgmma, warpgroups of 64 rows) on more shapes than the shared cases, with
+    threads switched in four orders: its warpgroups share Vt and meet only at barriers, and an
+    order that lets one run ahead shows a barrier missing between them."""
+    name = _check(sim, np.random.default_rng(5), q_lens, ctx_lens, hq, hk, 128, tiling=tiling, order=order)
     assert name == PREFILL_TILINGS[tiling].kernel.format(d=128)
+
+
+@pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
+@pytest.mark.parametrize("order", [1, 2], ids=["low-first", "high-first"])
+def test_prefill_tilings_with_one_warp_running_ahead(sim, tiling, order):
+    """Threads switched so that the lowest (or highest) warps run ahead as far as the barriers
+    let them: a barrier missing between warps of the K/V pipeline shows here."""
+    _check(sim, np.random.default_rng(13), [150, 1, 40], [150, 200, 230], 8, 2, 128, tiling=tiling,
+           order=order)
 
 
 @pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))

@@ -4,18 +4,19 @@
 //
 // Each warpgroup owns 64 rows. Per tile of 64 keys: S = Q K^T is one m64n64 wgmma chain (8
 // k-steps over the head dim) with Q and K read from shared memory; the online softmax runs on
-// the accumulators in registers (their layout is mma.m16n8's C fragments, so attention_tc.cu's
-// softmax_m_tile serves as is); P goes to shared memory as bf16 and O += P V is an m64n128 chain
-// (4 k-steps over the keys). Every operand is K-major with the 128-byte swizzle, the one layout
+// the accumulators in registers (their layout is mma.m16n8's C fragments, so attention_parts.cu's
+// softmax serves as is); P goes to shared memory as bf16 and O += P V is an m64n128 chain (4
+// k-steps over the keys). Every operand is K-major with the 128-byte swizzle, the one layout
 // wgmma.cu's descriptors describe: Q [rows][dims] and K [keys][dims] are stored so by their
 // cp.async copies, P [rows][keys] by its stores, and V, which the cache holds [keys][dims], is
 // copied to a staging tile and transposed through ldmatrix into Vt [dims][keys] once per tile for
 // every warpgroup. K/V tiles arrive STAGES deep, their cache rows staged as 16-byte offsets
-// (KvPipe's scheme) a tile before the copies.
+// (KvPipe's scheme) a tile before the copies. OVERLAP runs each tile's P V during the next
+// tile's softmax (see the loop).
 //
 // Shared memory, from a 1024-aligned base: Q [2 halves of the head dim][ROWS][128 B]; per stage
-// K [2][64][128 B] then the V staging tile [64][D + 8]; Vt [128][128 B]; P [NWG][64][128 B]; the
-// cache row offsets [STAGES][64]. attention_plan.wg_smem computes the same total.
+// K [2][64][128 B] then the V staging tile [64][D + 8]; Vt [BUFS][128][128 B]; P [NWG][BUFS][64]
+// [128 B]; the cache row offsets [STAGES][64]. attention_plan.wg_smem computes the same total.
 
 #define WG_KT 64
 #define WG_D 128
@@ -118,27 +119,9 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             Wgmma<128>::mma(&o[0][0], sw128_desc(pb + kk * 32), sw128_desc(vb + kk * 32), 1);
         wgmma_commit();
     };
-    if constexpr (OVERLAP) {
-        // Every step issues the previous tile's P V; before the first, a zero P (and a finite
-        // Vt) make it add nothing, so no wgmma sits on a branch (ptxas serializes those).
-        for (int e = tid; e < BUFS * (WG_D + NWG * 64) * 8; e += NT)
-            st_shared_u32(vt_s + e * 16, 0u), st_shared_u32(vt_s + e * 16 + 4, 0u),
-                st_shared_u32(vt_s + e * 16 + 8, 0u), st_shared_u32(vt_s + e * 16 + 12, 0u);
-    }
-
-    int buf = 0;  // this tile's Vt and P buffer
-    for (int tile = tile0; tile < tile1; ++tile, buf = (buf + 1) % BUFS) {
-        // The tile has landed for every thread, and every warpgroup is done with the stage, the
-        // Vt and the P that this step refills.
-        cp_async_wait<STAGES - 2>();
-        fence_proxy_async();
-        __syncthreads();
-        const int next = tile + STAGES - 1;
-        if (next < tile1) load(next);
-        cp_async_commit();
-        fetch(next + 1);  // its slot held the offsets of `tile`, copied steps ago
-
-        // V staging [keys][dims] -> Vt [dims][keys]: each ldmatrix.trans takes four 8 x 8 blocks.
+    // V staging of `tile` [keys][dims] -> Vt [dims][keys] in buffer `buf`: each ldmatrix.trans
+    // takes four 8 x 8 blocks.
+    auto transpose_v = [&](int tile, int buf) {
         const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
         const unsigned vt = vt_s + buf * WG_D * 128;
         const bf16_t* vstage = reinterpret_cast<const bf16_t*>(gbase + (st - base) + WG_K_BYTES);
@@ -154,17 +137,21 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
                 st_shared_u32(sw128_at(vt, dbi * 8 + lane / 4, kbi) + 4 * (lane % 4), r[i]);
             }
         }
+    };
+    // The tile has landed for every thread (and, before it, everything the threads wrote for
+    // wgmma), and every warpgroup is done with what this step refills; then the refill.
+    auto next_tile = [&](int tile) {
+        cp_async_wait<STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
-
-        const int kbase = tile * WG_KT;
-        // Without OVERLAP a tile after the warpgroup's last row is skipped; with it, it is
-        // computed (fully masked, it adds nothing) to keep every wgmma off a branch.
-        if (!OVERLAP && kbase > wg_pos) continue;
-
-        // S = Q K^T over the head dim's 8 k-steps (two swizzled halves of 4); with OVERLAP the
-        // previous tile's P V follows it into the tensor cores and runs during this softmax.
-        float s[8][4];
+        const int next = tile + STAGES - 1;
+        if (next < tile1) load(next);
+        cp_async_commit();
+        fetch(next + 1);  // its slot held the offsets of `tile`, copied steps ago
+    };
+    // S = Q K^T of `tile` over the head dim's 8 k-steps (two swizzled halves of 4), issued.
+    auto issue_s = [&](int tile, float (&s)[8][4]) {
+        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
 #pragma unroll
         for (int n = 0; n < 8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();
@@ -175,17 +162,10 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             Wgmma<64>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kb), kk > 0);
         }
         wgmma_commit();
-        if constexpr (OVERLAP) {
-            issue_pv(1 - buf);
-            wgmma_wait<1>();  // S has landed; the P V may still run
-        } else {
-            wgmma_wait<0>();
-        }
-        Wgmma<64>::pin(&s[0][0]);
-
-        unsigned int pa[8][2];
-        const float2 corr = softmax_scores<8>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, pa);
-        // P [64 rows][64 keys] of this warpgroup, K-major and swizzled: n-tile n is chunk n.
+    };
+    // P of this warpgroup [64 rows][64 keys] into buffer `buf`, K-major and swizzled: n-tile n
+    // is chunk n.
+    auto store_p = [&](const unsigned int (&pa)[8][2], int buf) {
         const unsigned pb = p_s + buf * 64 * 128;
         const int pr = warp * 16 + g;
 #pragma unroll
@@ -193,25 +173,63 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             st_shared_u32(sw128_at(pb, pr, n) + 4 * c, pa[n][0]);
             st_shared_u32(sw128_at(pb, pr + 8, n) + 4 * c, pa[n][1]);
         }
-        if constexpr (OVERLAP) {  // the output is scaled only once the product adding into it is done
+    };
+
+    if constexpr (OVERLAP) {
+        // One barrier a tile. Step t issues S(t) and then P(t-1) V(t-1), transposes V(t) while
+        // they run, takes S(t) through the softmax while P V still runs, and scales O once it
+        // is done. Vt(t) and P(t) are read by step t + 1's product, after its barrier. Before the
+        // first step a zero P (and a finite Vt) make the first P V add nothing, and tiles past a
+        // warpgroup's last row are computed fully masked: no wgmma sits on a branch, which ptxas
+        // would answer by serializing them all.
+        for (int e = tid; e < BUFS * (WG_D + NWG * 64) * 8; e += NT)
+            st_shared_u32(vt_s + e * 16, 0u), st_shared_u32(vt_s + e * 16 + 4, 0u),
+                st_shared_u32(vt_s + e * 16 + 8, 0u), st_shared_u32(vt_s + e * 16 + 12, 0u);
+        int buf = 0;  // this tile's Vt and P buffer
+        for (int tile = tile0; tile < tile1; ++tile, buf ^= 1) {
+            next_tile(tile);
+            float s[8][4];
+            issue_s(tile, s);
+            issue_pv(buf ^ 1);
+            transpose_v(tile, buf);
+            wgmma_wait<1>();  // S has landed; the P V may still run
+            Wgmma<64>::pin(&s[0][0]);
+            unsigned int pa[8][2];
+            const float2 corr = softmax_scores<8>(s, tile * WG_KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a,
+                                                  l_b, pa);
+            store_p(pa, buf);
             wgmma_wait<0>();
             Wgmma<128>::pin(&o[0][0]);
+            rescale_m_tile<16>(o, corr);
+            fence_proxy_async();  // this thread's Vt and P stores, for the next step's product
         }
-        rescale_m_tile<16>(o, corr);
-        fence_proxy_async();
-        bar_sync(1 + wg, 128);
-        if constexpr (!OVERLAP) {
-            wgmma_fence();
-            issue_pv(buf);
-            wgmma_wait<0>();
-            Wgmma<128>::pin(&o[0][0]);
-        }
-    }
-    if constexpr (OVERLAP) {  // the last tile's P V (a zero P when there was no tile)
+        next_tile(tile1);  // the last Vt and P written by every thread
         wgmma_fence();
-        issue_pv(1 - buf);
+        issue_pv(buf ^ 1);  // the last tile's P V (a zero P when there was no tile)
         wgmma_wait<0>();
         Wgmma<128>::pin(&o[0][0]);
+    } else {
+        for (int tile = tile0; tile < tile1; ++tile) {
+            next_tile(tile);
+            transpose_v(tile, 0);
+            fence_proxy_async();
+            __syncthreads();
+            const int kbase = tile * WG_KT;
+            if (kbase > wg_pos) continue;  // every key of this tile is after the warpgroup's last row
+            float s[8][4];
+            issue_s(tile, s);
+            wgmma_wait<0>();
+            Wgmma<64>::pin(&s[0][0]);
+            unsigned int pa[8][2];
+            softmax_m_tile<8, 16>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b, o, pa);
+            store_p(pa, 0);
+            fence_proxy_async();
+            bar_sync(1 + wg, 128);
+            wgmma_fence();
+            issue_pv(0);
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+        }
     }
     cp_async_wait<0>();
 
