@@ -97,12 +97,20 @@ for s in $steps; do
         2>&1 | tail -5 | tee "$OUT/tilings_tests.log"
       VT_PREFILL_TILING=${MODEL_TILING:-wg} timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
-      timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" 2>&1 | tail -40 | tee "$OUT/tilings.log"
+      timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
+        | tee "$OUT/tilings.log"
       for t in ${TILINGS:-wg wgp wg3 w8 m2}; do
         VT_PREFILL_TILING=$t timeout 200 python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192,32768 \
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"
       done ;;
+    targets8)  # the peer's target rows, 8B, on the tiling the tilings step found best (else $TILING, else r64)
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null || echo r64)}"
+      echo "prefill tiling: $t" | tee "$OUT/targets8.log"
+      VT_PREFILL_TILING=$t timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-$t" --rows targets \
+        --server-args="--max-num-seqs 256 --max-model-len 16384" --budget "${BUDGET:-500}" --out "$OUT/t8" \
+        2>&1 | grep -v "^Loading" | tee -a "$OUT/targets8.log" ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B

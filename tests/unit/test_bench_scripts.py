@@ -192,3 +192,23 @@ def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path
     bench = load_script("structured_outputs")
     assert [i for i in range(8) if bench.guided(i, 25)] == [3, 7]
     assert all(bench.guided(i, 100) for i in range(8)) and not any(bench.guided(i, 0) for i in range(8))
+
+
+def test_attn_tilings_serves_the_fastest_tiling_that_agrees() -> None:
+    """bench/attn_tilings.py --best: a faster tiling whose output drifts from the default's is
+    never chosen; among the agreeing ones the best geometric-mean speed-up at 8B's heads wins."""
+    best_tiling = load_script("attn_tilings").best_tiling
+    rows = [
+        {"hq": 32, "tiling": "r64", "speedup": 1.0, "rel_diff": 0.0},
+        {"hq": 32, "tiling": "wg", "speedup": 2.5, "rel_diff": 0.004},
+        {"hq": 32, "tiling": "wg", "speedup": 1.6, "rel_diff": 0.003},
+        {"hq": 32, "tiling": "wgp", "speedup": 3.0, "rel_diff": 0.4},  # fast and wrong
+        {"hq": 32, "tiling": "w8", "speedup": 0.9, "rel_diff": 0.0},
+        {"hq": 16, "tiling": "wg", "speedup": 0.5, "rel_diff": 0.0},  # other heads: not in the score
+    ]
+    assert best_tiling(rows) == "wg"
+    rows[3]["rel_diff"] = 0.001
+    assert best_tiling(rows) == "wgp"
+    assert best_tiling([r for r in rows if r["tiling"] in ("r64", "w8")]) == "r64"
+    assert best_tiling([{"hq": 32, "tiling": "w8", "speedup": 1.2, "rel_diff": float("nan")},
+                        {"hq": 32, "tiling": "r64", "speedup": 1.0, "rel_diff": 0.0}]) == "r64"
