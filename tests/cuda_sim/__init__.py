@@ -54,6 +54,22 @@ def _launchers(src: str) -> str:
     return "\n".join(out)
 
 
+_SCALAR = """
+#define SIM_SCALAR_ATTENTION(NAME)                                                                   \\
+    extern "C" int sim_##NAME(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem,  \\
+                              const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache, \\
+                              const int* qsl, const int* seq_lens, const int* block_tables, int max_blocks, \\
+                              bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, \\
+                              int d, int block_size, float scale_log2, int num_splits) {                \\
+        return sim::launch(gx, gy, gz, threads, smem, [&] {                                          \\
+            NAME(q, q_stride, k_cache, v_cache, qsl, seq_lens, block_tables, max_blocks, out, part_o,  \\
+                 part_ml, total_tokens, hq, hk, d, block_size, scale_log2, num_splits); });          \\
+    }
+SIM_SCALAR_ATTENTION(attention_r1)
+SIM_SCALAR_ATTENTION(attention_r2)
+SIM_SCALAR_ATTENTION(attention_r4)
+"""
+
 _COMBINE = """
 extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, unsigned threads,
                                        size_t smem, const float* part_o, const float* part_ml,
@@ -94,7 +110,7 @@ def build(fname: str) -> ctypes.CDLL:
     if fname in ("attention_tc.cu", "attention_wg.cu"):
         src += "\n" + _launchers(read_source(fname))
     elif fname == "attention.cu":
-        src += _COMBINE
+        src += _SCALAR + _COMBINE
     return compile_host(Path(fname).stem, src)
 
 
@@ -103,8 +119,9 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 
 class SimAttention:
-    """attention_tc.cu's entry points and attention_combine_k, launched over numpy arrays laid
-    out as cuda_ops lays them (bf16 as uint16 bits)."""
+    """The attention kernels (attention_tc.cu, attention_wg.cu, attention.cu's CUDA-core ones and
+    attention_combine_k), launched over numpy arrays laid out as cuda_ops lays them (bf16 as
+    uint16 bits)."""
 
     def __init__(self) -> None:
         self.tc = build("attention_tc.cu")
@@ -128,13 +145,16 @@ class SimAttention:
         out = np.zeros((t, hq, d), np.uint16)
         part_o = np.zeros((splits, t, hq, d), np.float32) if splits > 1 else None
         part_ml = np.zeros((splits, t, hq, 2), np.float32) if splits > 1 else None
-        lib = self.wg if kernel.startswith("attention_wg") else self.tc
+        scalar = kernel.startswith("attention_r")
+        lib = self.scalar if scalar else self.wg if kernel.startswith("attention_wg") else self.tc
         lib.sim_set_timing(int(late), int(late), ctypes.c_uint(order))
         fn = getattr(lib, f"sim_{kernel}")
-        fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES
+        # the CUDA-core kernels take the head dim after hk (attention.cu)
+        fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [ctypes.c_int] * scalar + _TC_ARGTYPES[14:]
+        head = (d,) if scalar else ()
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
-                _ptr(part_ml), t, hq, hk, bs, scale * np.log2(np.e), splits)
+                _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e), splits)
         if rc:
             raise ValueError(f"{kernel}: launch refused ({threads} threads, {smem} bytes of shared memory)")
         if splits > 1:

@@ -64,7 +64,6 @@ def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFI
     ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
                                    max(q_lens), max(ctx_lens))
     plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling)
-    assert plan.tensor_cores, "these cases are for the tensor-core kernels"
     grid = (plan.row_tiles, hk, len(q_lens) * splits)
     out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits,
                      late=late, order=order)
@@ -146,6 +145,18 @@ def test_prefill_tilings_with_split_keys(sim, tiling):
 ])
 def test_split_keys_combine_to_the_same_attention(sim, q_lens, ctx_lens, hq, hk, d, splits):
     _check(sim, np.random.default_rng(7), q_lens, ctx_lens, hq, hk, d, splits=splits)
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d,splits", [
+    ([3, 2], [20, 9], 8, 1, 256, 1),  # head dim 256, MQA: attention_r4
+    ([1, 1, 1], [40, 70, 33], 8, 4, 96, 1),  # decode rows, head dim 96: attention_r1
+    ([1, 1], [300, 130], 16, 2, 256, 3),  # group 8 decode (attention_r2) with split keys
+    ([37], [90], 4, 2, 80, 2),  # a chunk deep in its context, head dim 80
+])
+def test_cuda_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, splits):
+    """Head dims without a tensor-core kernel run attention.cu's CUDA-core kernels."""
+    name = _check(sim, np.random.default_rng(d + hq), q_lens, ctx_lens, hq, hk, d, splits=splits)
+    assert name.startswith("attention_r")
 
 
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):
