@@ -45,7 +45,7 @@ def test_prefill_tilings_size_their_blocks():
     assert (wg.name, wg.row_tiles, wg.threads) == ("attention_wg_d128_prefill", 32, 256)
     wgp = attention_kernel(4, 1000, 128, prefill="wgp")
     assert wgp.smem == wg.smem + 128 * 128 + 2 * 64 * 128  # a second Vt and a second P per warpgroup
-    # no wgmma kernel for head dim 64: the default tiling
+    # no wgmma kernel for head dim 64: the fallback tiling
     assert attention_kernel(4, 1000, 64, prefill="wg").name == "attention_tc_d64_prefill"
     # decode rows keep their kernels whatever the prefill tiling
     for t in PREFILL_TILINGS:

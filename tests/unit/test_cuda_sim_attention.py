@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from tests.cuda_sim import SimAttention, SimUnavailable
-from vt.kernels.attention_plan import DEFAULT_PREFILL_TILING, PREFILL_TILINGS, attention_kernel
+from vt.kernels.attention_plan import (
+    DEFAULT_PREFILL_TILING,
+    FALLBACK_PREFILL_TILING,
+    PREFILL_TILINGS,
+    attention_kernel,
+)
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -106,7 +111,7 @@ def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, h
     early: at issue (a stage refilled while another warp still reads it shows)."""
     rng = np.random.default_rng(sum(ctx_lens) + hq)
     name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, tiling=tiling, late=late)
-    t = PREFILL_TILINGS[tiling if d in PREFILL_TILINGS[tiling].head_dims else DEFAULT_PREFILL_TILING]
+    t = PREFILL_TILINGS[tiling if d in PREFILL_TILINGS[tiling].head_dims else FALLBACK_PREFILL_TILING]
     assert name == t.kernel.format(d=d)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from vt.kernels.arena import ArenaLedger, aligned
 from vt.kernels.attention_plan import (
     DEFAULT_PREFILL_TILING,
+    FALLBACK_PREFILL_TILING,
     MAX_KEY_SPLITS,
     PREFILL_TILINGS,
     TC_HEAD_DIMS,
@@ -125,7 +126,8 @@ class CudaBackend:
                              f"{workspace_bytes}, {partials_bytes}")
         # Which tensor-core tiling prompts run on (attention_plan.PREFILL_TILINGS); the
         # environment picks one for benchmarks that start vt as a server.
-        self.prefill_tiling = prefill_tiling or os.environ.get("VT_PREFILL_TILING") or DEFAULT_PREFILL_TILING
+        requested = prefill_tiling or os.environ.get("VT_PREFILL_TILING")
+        self.prefill_tiling = requested or DEFAULT_PREFILL_TILING
         if self.prefill_tiling not in PREFILL_TILINGS:
             raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} is not one of "
                              f"{sorted(PREFILL_TILINGS)}")
@@ -134,7 +136,9 @@ class CudaBackend:
         self._kernels = self._compile()
         tiling = PREFILL_TILINGS[self.prefill_tiling]
         if tiling.sm90_only and tiling.kernel.format(d=tiling.head_dims[0]) not in self._kernels:
-            raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} needs an sm_90 GPU")
+            if requested:
+                raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {requested!r} needs an sm_90 GPU")
+            self.prefill_tiling = FALLBACK_PREFILL_TILING  # the default, on a GPU it has no kernel for
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int, int], int] = {}
         for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
