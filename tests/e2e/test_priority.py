@@ -255,11 +255,16 @@ async def test_equal_priority_requests_keep_arrival_order(servers, policy: str) 
             await rec.wait_metrics(lambda m, a=arrived: m["vt:prompt_tokens_total"] >= a,
                                    f"request {i} arrived")
         await asyncio.gather(*tasks)
-        await assert_idle(rec)
+        m1 = await assert_idle(rec)
     firsts = [t.first for t in traces]
     assert firsts == sorted(firsts), f"first tokens out of arrival order: {firsts}"
-    lasts = [t.last for t in traces]
-    assert lasts == sorted(lasts)
+    # One request runs at a time, so with no preemption each ran start to finish in the order it
+    # started. That is checked on the server's counter: the client may read E0's long stream's
+    # tail after the short streams that followed it (one busy connection against fresh ones), so
+    # client-side completion order is compared among the equal short requests only.
+    assert m1["vt:num_preemptions_total"] == m0["vt:num_preemptions_total"]
+    lasts = [t.last for t in traces[1:]]
+    assert lasts == sorted(lasts), f"last tokens out of arrival order: {lasts}"
 
 
 async def test_low_priority_finishes_once_high_load_ends(servers) -> None:

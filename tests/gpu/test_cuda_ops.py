@@ -422,7 +422,7 @@ def test_attention_prefill_tilings(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk
     args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
     ref = nb.attention(q, kc, vc, *args)
     before = cb.prefill_tiling
-    cb.prefill_tiling = tiling
+    cb.use_prefill_tiling(tiling)
     try:
         poison(cb)
         with cb.slot(0):
@@ -430,7 +430,7 @@ def test_attention_prefill_tilings(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk
             out = cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, max(q_lens), max(ctx_lens))
             got = cb.to_host(out)
     finally:
-        cb.prefill_tiling = before
+        cb.use_prefill_tiling(before)
     assert rel_err(got, ref) < BF16_TOL
 
 

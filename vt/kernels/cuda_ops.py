@@ -127,18 +127,14 @@ class CudaBackend:
         # Which tensor-core tiling prompts run on (attention_plan.PREFILL_TILINGS); the
         # environment picks one for benchmarks that start vt as a server.
         requested = prefill_tiling or os.environ.get("VT_PREFILL_TILING")
-        self.prefill_tiling = requested or DEFAULT_PREFILL_TILING
-        if self.prefill_tiling not in PREFILL_TILINGS:
-            raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {self.prefill_tiling!r} is not one of "
+        if requested and requested not in PREFILL_TILINGS:
+            raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {requested!r} is not one of "
                              f"{sorted(PREFILL_TILINGS)}")
         self._tls = threading.local()  # per-thread open slot (cupy's current stream is per thread too)
         self._arch_modules: list[Any] = []
         self._kernels = self._compile()
-        tiling = PREFILL_TILINGS[self.prefill_tiling]
-        if tiling.sm90_only and tiling.kernel.format(d=tiling.head_dims[0]) not in self._kernels:
-            if requested:
-                raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {requested!r} needs an sm_90 GPU")
-            self.prefill_tiling = FALLBACK_PREFILL_TILING  # the default, on a GPU it has no kernel for
+        self.prefill_tiling = FALLBACK_PREFILL_TILING
+        self.use_prefill_tiling(requested or DEFAULT_PREFILL_TILING, strict=bool(requested))
         self._num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._occupancy: dict[tuple[str, int, int], int] = {}
         for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
@@ -195,24 +191,41 @@ class CudaBackend:
         for n in ("attention_r1", "attention_r2", "attention_r4", *names["attention_tc.cu"]):
             fn = fns[n]
             getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
-        if cupy.cuda.Device().compute_capability == "90":
-            fns.update(self._compile_sm90a())
         return fns
 
-    def _compile_sm90a(self) -> dict[str, Any]:
-        """The kernel files that need sm_90a (wgmma). CuPy's RawModule always adds the device's
-        generic -arch, so these go through NVRTC directly and load as a cubin."""
+    def use_prefill_tiling(self, name: str, strict: bool = True) -> None:
+        """Prompt attention runs on tiling `name` from now on. A tiling of sm_90a kernels has
+        them built on first use; where that fails (another GPU, or NVRTC refuses), a strict
+        call raises and otherwise the fallback tiling stays."""
+        if name not in PREFILL_TILINGS:
+            raise ValueError(f"prefill tiling {name!r} is not one of {sorted(PREFILL_TILINGS)}")
+        t = PREFILL_TILINGS[name]
+        if t.sm90_only and t.kernel.format(d=t.head_dims[0]) not in self._kernels:
+            why = self._compile_sm90a()
+            if why:
+                if strict:
+                    raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {name!r} is not available: {why}")
+                name = FALLBACK_PREFILL_TILING
+        self.prefill_tiling = name
+
+    def _compile_sm90a(self) -> str:
+        """Build the kernel files that need sm_90a (wgmma) into self._kernels; '' or why not.
+        CuPy's RawModule always adds the device's generic -arch, so these go through NVRTC
+        directly and load as a cubin."""
         from cupy_backends.cuda.api import driver
         from cupy_backends.cuda.libs import nvrtc
 
+        cc = cupy.cuda.Device().compute_capability
+        if cc != "90":
+            return f"its kernels need an sm_90 GPU (this one is sm_{cc})"
         fns: dict[str, Any] = {}
         for fname in ARCH_KERNEL_FILES:
             prog = nvrtc.createProgram(translation_unit(fname), fname, [], [])
             try:
                 nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
                 cubin = nvrtc.getCUBIN(prog)
-            except nvrtc.NVRTCError as exc:
-                raise RuntimeError(f"{fname} failed to compile:\n{nvrtc.getProgramLog(prog)}") from exc
+            except nvrtc.NVRTCError:
+                return f"{fname} failed to compile for sm_90a:\n{nvrtc.getProgramLog(prog)[-2000:]}"
             finally:
                 nvrtc.destroyProgram(prog)
             module = cupy.cuda.function.Module()
@@ -225,7 +238,8 @@ class CudaBackend:
                         fn = module.get_function(t.kernel.format(d=d))
                         driver.funcSetAttribute(fn.ptr, smem_attr, _ATTN_SMEM_MAX)
                         fns[t.kernel.format(d=d)] = fn
-        return fns
+        self._kernels.update(fns)
+        return ""
 
     def _resident_blocks(self, kernel: str, smem: int, threads: int = 128) -> int:
         """How many blocks of `kernel` the whole chip runs at once (cached)."""
