@@ -95,6 +95,8 @@ for s in $steps; do
     tilings)  # prefill attention's tilings: on the device against numpy, kernel times, prompts as served
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings or ragged" \
         2>&1 | tail -5 | tee "$OUT/tilings_tests.log"
+      timeout 120 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wg3 2>&1 | tail -40 \
+        | tee -a "$OUT/tilings_tests.log"
       VT_PREFILL_TILING=${MODEL_TILING:-wg} timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
