@@ -95,13 +95,13 @@ for s in $steps; do
     tilings)  # prefill attention's tilings: on the device against numpy, kernel times, prompts as served
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings or ragged" \
         2>&1 | tail -5 | tee "$OUT/tilings_tests.log"
-      timeout 120 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wg3 2>&1 | tail -40 \
+      timeout 120 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv 2>&1 | tail -40 \
         | tee -a "$OUT/tilings_tests.log"
       VT_PREFILL_TILING=${MODEL_TILING:-wg} timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
         | tee "$OUT/tilings.log"
-      for t in ${TILINGS:-wg wgp wg3 w8 m2}; do
+      for t in ${TILINGS:-wg wgp wgv wg3 w8 m2}; do
         VT_PREFILL_TILING=$t timeout 200 python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192,32768 \
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"

@@ -21,6 +21,10 @@ inline u64_t sw128_desc(unsigned addr) {
     return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
 }
 inline unsigned sw128_at(unsigned base, int r, int ch) { return base + r * 128 + ((ch ^ (r & 7)) << 4); }
+inline u64_t sw128_mn_desc(unsigned addr, unsigned lbo) {
+    return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)((lbo & 0x3FFFF) >> 4) << 16) | ((u64_t)(1024 >> 4) << 32) |
+           ((u64_t)1 << 62);
+}
 
 // A warpgroup's wgmma in flight: its product runs at issue or, late, at the wait that needs it.
 struct SimWgmma {
@@ -82,6 +86,29 @@ inline float sim_operand(u64_t desc, int r, int k) {
     return __uint_as_float((uint32_t)h << 16);
 }
 
+// bf16 element (n, k) of an N-major swizzled operand (sw128_mn_desc): the 64 n of one k in a
+// 128-byte row, 8 rows of k an atom, next 8 k at the stride offset, next 64 n at the leading one.
+inline float sim_operand_mn(u64_t desc, int n, int k) {
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned lin = start + (unsigned)(n / 64) * lbo + (unsigned)(k / 8) * sbo + (unsigned)(k % 8) * 128 +
+                         2u * (unsigned)(n % 64);
+    const unsigned phys = lin ^ (((lin >> 7) & 7u) << 4);
+    uint16_t h;
+    std::memcpy(&h, sim_smem(phys), 2);
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+inline void sim_check_mn_desc(u64_t desc) {
+    const bool ok = ((desc >> 16) & 0x3FFF) != 0 && ((desc >> 32) & 0x3FFF) == (1024 >> 4) && (desc >> 62) == 1 &&
+                    ((desc >> 49) & 7) == 0;
+    if (!ok) {
+        std::fprintf(stderr, "cuda_sim: an N-major wgmma descriptor other than sw128_mn_desc's\n");
+        std::abort();
+    }
+}
+
 inline void sim_check_desc(u64_t desc) {
     const bool ok = ((desc >> 16) & 0x3FFF) == 1 && ((desc >> 32) & 0x3FFF) == (1024 >> 4) && (desc >> 62) == 1 &&
                     ((desc >> 49) & 7) == 0;
@@ -91,16 +118,17 @@ inline void sim_check_desc(u64_t desc) {
     }
 }
 
-template <int N>
-struct Wgmma {
+template <int N, bool TB>
+struct SimWgmmaOf {
     static void run(const SimWgmma& w) {
         sim_check_desc(w.a);
-        sim_check_desc(w.b);
+        if (TB) sim_check_mn_desc(w.b);
+        else sim_check_desc(w.b);
         float A[64][16], B[N][16];
         for (int r = 0; r < 64; ++r)
             for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(w.a, r, k);
         for (int n = 0; n < N; ++n)
-            for (int k = 0; k < 16; ++k) B[n][k] = sim_operand(w.b, n, k);
+            for (int k = 0; k < 16; ++k) B[n][k] = TB ? sim_operand_mn(w.b, n, k) : sim_operand(w.b, n, k);
         for (int t = 0; t < 128; ++t) {
             float* acc = w.acc[t];
             for (int j = 0; j < N / 2; ++j) {
@@ -125,3 +153,7 @@ struct Wgmma {
     }
     static void pin(float*) {}
 };
+template <int N>
+struct Wgmma : SimWgmmaOf<N, false> {};
+template <int N>
+struct WgmmaTB : SimWgmmaOf<N, true> {};

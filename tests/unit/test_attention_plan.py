@@ -45,6 +45,9 @@ def test_prefill_tilings_size_their_blocks():
     assert (wg.name, wg.row_tiles, wg.threads) == ("attention_wg_d128_prefill", 32, 256)
     wgp = attention_kernel(4, 1000, 128, prefill="wgp")
     assert wgp.smem == wg.smem + 128 * 128 + 2 * 64 * 128  # a second Vt and a second P per warpgroup
+    wgv = attention_kernel(4, 1000, 128, prefill="wgv")  # V as K: no staging, no Vt; a third stage
+    k_tile, v_staging, vt = 64 * 256, 64 * 136 * 2, 128 * 128
+    assert wgv.smem == wgp.smem - 2 * v_staging - 2 * vt + 2 * k_tile + (2 * k_tile + 64 * 4)
     # no wgmma kernel for head dim 64: the fallback tiling
     assert attention_kernel(4, 1000, 64, prefill="wg").name == "attention_tc_d64_prefill"
     # decode rows keep their kernels whatever the prefill tiling

@@ -19,12 +19,15 @@ def tc_smem(d: int, stages: int, q_rows: int = 0) -> int:
     return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q_rows * (d + 8) * 2
 
 
-def wg_smem(nwg: int, stages: int, bufs: int = 1) -> int:
+def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int:
     """Dynamic shared memory of attention_wg.cu's block (head dim 128): the 1024-byte alignment
-    pad, Q [2][64 nwg][128 B], per stage a swizzled K tile and a padded V staging tile, `bufs` Vt
-    and each warpgroup's `bufs` P, and the cache row offsets."""
-    return (1024 + 2 * 64 * nwg * 128 + stages * (2 * 64 * 128 + 64 * 136 * 2) + bufs * 128 * 128
-            + nwg * bufs * 64 * 128 + stages * 64 * 4)
+    pad, Q [2][64 nwg][128 B], per stage a swizzled K tile and V (swizzled like K with v_direct,
+    else a padded staging tile and `bufs` transposed Vt), each warpgroup's `bufs` P, and the
+    cache row offsets."""
+    v_stage = 2 * 64 * 128 if v_direct else 64 * 136 * 2
+    vt = 0 if v_direct else bufs * 128 * 128
+    return (1024 + 2 * 64 * nwg * 128 + stages * (2 * 64 * 128 + v_stage) + vt + nwg * bufs * 64 * 128
+            + stages * 64 * 4)
 
 
 class PrefillTiling(NamedTuple):
@@ -38,6 +41,8 @@ class PrefillTiling(NamedTuple):
     sm90_only: bool = False
 
     def smem(self, d: int) -> int:
+        if self.kernel.startswith("attention_wgv"):
+            return wg_smem(self.rows // 64, 3, 2, v_direct=True)
         if self.kernel.startswith("attention_wg"):
             return wg_smem(self.rows // 64, 2, 2 if self.kernel.startswith("attention_wgp") else 1)
         if self.kernel.endswith("_m2"):
@@ -49,7 +54,8 @@ class PrefillTiling(NamedTuple):
 # half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
 # half the fragment loads a product, two blocks an SM. wg, wg3: two or three warpgroups of 64
 # rows on wgmma (attention_wg.cu, sm_90 only), one block an SM; wgp: wg with each tile's P V
-# running during the next tile's softmax. Every tiling but r64 is built and
+# running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
+# transpose (the one operand layout not proven on the device). Every tiling but r64 is built and
 # checked (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a
 # benchmark.
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
@@ -59,6 +65,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, sm90_only=True),
     "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, sm90_only=True),
     "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, sm90_only=True),
+    "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256, sm90_only=True),
 }
 DEFAULT_PREFILL_TILING = "r64"
 # The tiling with a kernel for every tensor-core head dim on every GPU, proven on the H200: a head

@@ -15,23 +15,30 @@
 // tile's softmax (see the loop).
 //
 // Shared memory, from a 1024-aligned base: Q [2 halves of the head dim][ROWS][128 B]; per stage
-// K [2][64][128 B] then the V staging tile [64][D + 8]; Vt [BUFS][128][128 B]; P [NWG][BUFS][64]
-// [128 B]; the cache row offsets [STAGES][64]. attention_plan.wg_smem computes the same total.
+// K [2][64][128 B] then V, as K (VDIRECT) or the staging tile [64][D + 8]; Vt [VT_BUFS][128][128 B];
+// P [NWG][BUFS][64][128 B]; the cache row offsets [STAGES][64]. attention_plan.wg_smem computes
+// the same total.
 
 #define WG_KT 64
 #define WG_D 128
 #define WG_SROW (WG_D + 8)                          // V staging row (bf16), ldmatrix conflict free
 #define WG_K_BYTES (2 * WG_KT * 128)                // a K tile: two 64-dim halves of 64 rows
-#define WG_STAGE_BYTES (WG_K_BYTES + WG_KT * WG_SROW * 2)
 
-template <int NWG, int STAGES, bool OVERLAP>
+template <int NWG, int STAGES, bool OVERLAP, bool VDIRECT>
 __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     constexpr int NT = 128 * NWG;
     constexpr int ROWS = 64 * NWG;
     constexpr int Q_BYTES = 2 * ROWS * 128;
     constexpr int PARTS = WG_D / 8;  // 16-byte pieces of a head row
-    constexpr int BUFS = OVERLAP ? 2 : 1;  // Vt and P buffers: tile t's in buffer t % BUFS
-    static_assert(WG_STAGE_BYTES % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
+    constexpr int BUFS = OVERLAP ? 2 : 1;  // P (and Vt) buffers: tile t's in buffer t % BUFS
+    constexpr int VT_BUFS = VDIRECT ? 0 : BUFS;
+    // VDIRECT: V is stored like K and read N-major by P V, with no staging and no transpose.
+    constexpr int STAGE_BYTES = WG_K_BYTES + (VDIRECT ? WG_K_BYTES : WG_KT * WG_SROW * 2);
+    // Tiles loaded ahead. VDIRECT's P V of tile t runs in step t + 1, so its stage is refilled one
+    // step later than the others': three stages, one tile ahead.
+    constexpr int AHEAD = VDIRECT ? 1 : STAGES - 1;
+    static_assert(STAGE_BYTES % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
+    static_assert(!VDIRECT || (OVERLAP && STAGES >= 3), "direct V needs the overlapped loop and three stages");
     extern __shared__ __align__(16) unsigned char smem[];
 
     const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, WG_KT, true);
@@ -48,10 +55,10 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     unsigned char* gbase = smem + (base - raw);
     const unsigned q_s = base;
     const unsigned stage0 = base + Q_BYTES;
-    const unsigned vt_s = stage0 + STAGES * WG_STAGE_BYTES;           // [BUFS][128][128 B]
-    const unsigned p_s = vt_s + BUFS * WG_D * 128 + wg * BUFS * 64 * 128;  // this warpgroup's [BUFS][64][128 B]
+    const unsigned vt_s = stage0 + STAGES * STAGE_BYTES;                  // [VT_BUFS][128][128 B]
+    const unsigned p_s = vt_s + VT_BUFS * WG_D * 128 + wg * BUFS * 64 * 128;  // this warpgroup's [BUFS][64][128 B]
     unsigned int* off_s =
-        reinterpret_cast<unsigned int*>(gbase + (vt_s - base) + BUFS * WG_D * 128 + NWG * BUFS * 64 * 128);
+        reinterpret_cast<unsigned int*>(gbase + (vt_s - base) + VT_BUFS * WG_D * 128 + NWG * BUFS * 64 * 128);
     const int* table = block_tables + (size_t)b * max_blocks;
     constexpr unsigned NONE = 0xffffffffu;
 
@@ -74,9 +81,9 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             off_s[(tile % STAGES) * WG_KT + tid] = off;
         }
     };
-    // K into its swizzled halves, V into the staging tile.
+    // K into its swizzled halves; V likewise (VDIRECT) or into the staging tile.
     auto load = [&](int tile) {
-        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        const unsigned st = stage0 + (tile % STAGES) * STAGE_BYTES;
         bf16_t* vstage = reinterpret_cast<bf16_t*>(gbase + (st - base) + WG_K_BYTES);
         const unsigned int* offs = off_s + (tile % STAGES) * WG_KT;
         for (int e = tid; e < WG_KT * PARTS; e += NT) {
@@ -85,7 +92,11 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             const bool ok = off != NONE;
             const size_t src = ok ? ((size_t)off + part) * 8 : 0;
             cp_async16_u32(sw128_at(st + (part / 8) * (WG_KT * 128), key, part % 8), k_cache + src, ok ? 16 : 0);
-            cp_async16(vstage + key * WG_SROW + part * 8, v_cache + src, ok);
+            if constexpr (VDIRECT)
+                cp_async16_u32(sw128_at(st + WG_K_BYTES + (part / 8) * (WG_KT * 128), key, part % 8), v_cache + src,
+                               ok ? 16 : 0);
+            else
+                cp_async16(vstage + key * WG_SROW + part * 8, v_cache + src, ok);
         }
     };
 
@@ -101,7 +112,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
                                : q;
         cp_async16_u32(sw128_at(q_s + (part / 8) * (ROWS * 128), lr, part % 8), src, ok ? 16 : 0);
     }
-    for (int i = 0; i < STAGES - 1; ++i) {
+    for (int i = 0; i < AHEAD; ++i) {
         if (tile0 + i < tile1) load(tile0 + i);
         cp_async_commit();
     }
@@ -111,18 +122,27 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
     float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
 
-    // O += P V of the tile in buffer `buf` (its P and Vt) as one chain of 4 k-steps of 16 keys.
-    auto issue_pv = [&](int buf) {
-        const unsigned pb = p_s + buf * 64 * 128, vb = vt_s + buf * WG_D * 128;
+    // O += P V of tile `vtile`, its P in buffer `buf`, as one chain of 4 k-steps of 16 keys: V from
+    // its Vt buffer, or (VDIRECT) N-major from its stage.
+    auto issue_pv = [&](int buf, int vtile) {
+        const unsigned pb = p_s + buf * 64 * 128;
+        if constexpr (VDIRECT) {
+            const unsigned vb = stage0 + ((vtile % STAGES + STAGES) % STAGES) * STAGE_BYTES + WG_K_BYTES;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            Wgmma<128>::mma(&o[0][0], sw128_desc(pb + kk * 32), sw128_desc(vb + kk * 32), 1);
+            for (int kk = 0; kk < 4; ++kk)
+                WgmmaTB<128>::mma(&o[0][0], sw128_desc(pb + kk * 32), sw128_mn_desc(vb + kk * 2048, WG_KT * 128), 1);
+        } else {
+            const unsigned vb = vt_s + buf * WG_D * 128;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<128>::mma(&o[0][0], sw128_desc(pb + kk * 32), sw128_desc(vb + kk * 32), 1);
+        }
         wgmma_commit();
     };
     // V staging of `tile` [keys][dims] -> Vt [dims][keys] in buffer `buf`: each ldmatrix.trans
     // takes four 8 x 8 blocks.
     auto transpose_v = [&](int tile, int buf) {
-        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        const unsigned st = stage0 + (tile % STAGES) * STAGE_BYTES;
         const unsigned vt = vt_s + buf * WG_D * 128;
         const bf16_t* vstage = reinterpret_cast<const bf16_t*>(gbase + (st - base) + WG_K_BYTES);
         for (int q4 = tid / 32; q4 < (WG_KT / 8) * (WG_D / 8) / 4; q4 += NT / 32) {
@@ -141,17 +161,17 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     // The tile has landed for every thread (and, before it, everything the threads wrote for
     // wgmma), and every warpgroup is done with what this step refills; then the refill.
     auto next_tile = [&](int tile) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<AHEAD - 1>();
         fence_proxy_async();
         __syncthreads();
-        const int next = tile + STAGES - 1;
+        const int next = tile + AHEAD;
         if (next < tile1) load(next);
         cp_async_commit();
         fetch(next + 1);  // its slot held the offsets of `tile`, copied steps ago
     };
     // S = Q K^T of `tile` over the head dim's 8 k-steps (two swizzled halves of 4), issued.
     auto issue_s = [&](int tile, float (&s)[8][4]) {
-        const unsigned st = stage0 + (tile % STAGES) * WG_STAGE_BYTES;
+        const unsigned st = stage0 + (tile % STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int n = 0; n < 8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();
@@ -182,16 +202,22 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
         // first step a zero P (and a finite Vt) make the first P V add nothing, and tiles past a
         // warpgroup's last row are computed fully masked: no wgmma sits on a branch, which ptxas
         // would answer by serializing them all.
-        for (int e = tid; e < BUFS * (WG_D + NWG * 64) * 8; e += NT)
+        for (int e = tid; e < (VT_BUFS * WG_D + NWG * BUFS * 64) * 8; e += NT)
             st_shared_u32(vt_s + e * 16, 0u), st_shared_u32(vt_s + e * 16 + 4, 0u),
                 st_shared_u32(vt_s + e * 16 + 8, 0u), st_shared_u32(vt_s + e * 16 + 12, 0u);
+        if constexpr (VDIRECT) {  // the first P V reads the V of stage (tile0 - 1): loaded only later
+            const unsigned v0 = stage0 + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES + WG_K_BYTES;
+            for (int e = tid; e < WG_K_BYTES / 16; e += NT)
+                st_shared_u32(v0 + e * 16, 0u), st_shared_u32(v0 + e * 16 + 4, 0u),
+                    st_shared_u32(v0 + e * 16 + 8, 0u), st_shared_u32(v0 + e * 16 + 12, 0u);
+        }
         int buf = 0;  // this tile's Vt and P buffer
         for (int tile = tile0; tile < tile1; ++tile, buf ^= 1) {
             next_tile(tile);
             float s[8][4];
             issue_s(tile, s);
-            issue_pv(buf ^ 1);
-            transpose_v(tile, buf);
+            issue_pv(buf ^ 1, tile - 1);
+            if constexpr (!VDIRECT) transpose_v(tile, buf);
             wgmma_wait<1>();  // S has landed; the P V may still run
             Wgmma<64>::pin(&s[0][0]);
             unsigned int pa[8][2];
@@ -205,7 +231,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
         }
         next_tile(tile1);  // the last Vt and P written by every thread
         wgmma_fence();
-        issue_pv(buf ^ 1);  // the last tile's P V (a zero P when there was no tile)
+        issue_pv(buf ^ 1, tile1 - 1);  // the last tile's P V (a zero P when there was no tile)
         wgmma_wait<0>();
         Wgmma<128>::pin(&o[0][0]);
     } else {
@@ -226,7 +252,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             fence_proxy_async();
             bar_sync(1 + wg, 128);
             wgmma_fence();
-            issue_pv(0);
+            issue_pv(0, tile);
             wgmma_wait<0>();
             Wgmma<128>::pin(&o[0][0]);
         }
@@ -237,11 +263,12 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
                        total_tokens, num_splits, out, part_o, part_ml);
 }
 
-#define ATTENTION_WG_ENTRY(NAME, NWG, STAGES, OVERLAP)                                            \
+#define ATTENTION_WG_ENTRY(NAME, NWG, STAGES, OVERLAP, VDIRECT)                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG) NAME(ATTN_TC_PARAMS) {                 \
-        attention_wg_body<NWG, STAGES, OVERLAP>(ATTN_TC_ARGS);                                     \
+        attention_wg_body<NWG, STAGES, OVERLAP, VDIRECT>(ATTN_TC_ARGS);                            \
     }
 
-ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2, false)
-ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2, false)
-ATTENTION_WG_ENTRY(attention_wgp_d128_prefill, 2, 2, true)
+ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2, false, false)
+ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2, false, false)
+ATTENTION_WG_ENTRY(attention_wgp_d128_prefill, 2, 2, true, false)
+ATTENTION_WG_ENTRY(attention_wgv_d128_prefill, 2, 3, true, true)

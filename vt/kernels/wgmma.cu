@@ -24,6 +24,17 @@ __device__ __forceinline__ u64_t sw128_desc(unsigned addr) {
     return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
 }
 
+// Descriptor of an N-major (MN-major), 128-byte-swizzled B operand at shared address addr: rows of
+// 128 bytes hold 64 consecutive n of one k, 8 rows of k (1024 bytes) make a swizzle atom, atoms
+// of the next 8 k follow 1024 bytes on (the stride offset) and those of the next 64 n `lbo`
+// bytes on (the leading offset). Laid out this way, a [keys][dims] tile stored like K (two
+// 64-dim halves of [keys][128 B], lbo = keys * 128) is V as P V's B; a k-step of 16 keys
+// advances addr by 2048.
+__device__ __forceinline__ u64_t sw128_mn_desc(unsigned addr, unsigned lbo) {
+    return (u64_t)((addr & 0x3FFFF) >> 4) | ((u64_t)((lbo & 0x3FFFF) >> 4) << 16) | ((u64_t)(1024 >> 4) << 32) |
+           ((u64_t)1 << 62);
+}
+
 // Shared address of 16-byte chunk ch (0..7) of row r of a swizzled tile at a 1024-aligned base.
 __device__ __forceinline__ unsigned sw128_at(unsigned base, int r, int ch) {
     return base + r * 128 + ((ch ^ (r & 7)) << 4);
@@ -66,6 +77,10 @@ __device__ __forceinline__ bf16_t round_bf16(float v) {
 // pin(d) after wgmma_wait keeps the compiler from reading d before the wait.
 template <int N>
 struct Wgmma;
+// The same with B N-major (imm-trans-b): B [K][N] with N contiguous, as a tile stored [keys][dims]
+// is for O += P V (N = the head dim). Its descriptor is sw128_mn_desc's.
+template <int N>
+struct WgmmaTB;
 
 // Accumulator operand lists: N / 2 floats of d, as "+f" constraints.
 #define WG_D4(i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
@@ -75,14 +90,14 @@ struct Wgmma;
 #define WG_D64(i) WG_D32(i), WG_D32((i) + 32)
 
 // Wgmma<N>: the wgmma of that N; REGS names its accumulator operands, A, B and P the operand
-// numbers of the two descriptors and of scale_d.
-#define WGMMA_M64(NAME, N, ACC, REGS, A, B, P)                                                      \
+// numbers of the two descriptors and of scale_d; TB "1" reads B N-major (WgmmaTB).
+#define WGMMA_M64(NAME, N, ACC, REGS, A, B, P, TB)                                                  \
     template <>                                                                                    \
     struct NAME {                                                                                  \
         static __device__ __forceinline__ void mma(float* d, u64_t a, u64_t b, int scale_d) {      \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                            \
                          "wgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" REGS "}, " A   \
-                         ", " B ", p, 1, 1, 0, 0;\n}\n"                                             \
+                         ", " B ", p, 1, 1, 0, " TB ";\n}\n"                                       \
                          : ACC(0)                                                                  \
                          : "l"(a), "l"(b), "r"(scale_d));                                          \
         }                                                                                          \
@@ -90,10 +105,12 @@ struct Wgmma;
     };
 
 WGMMA_M64(Wgmma<16>, "16", WG_D8, "%0, %1, %2, %3, %4, %5, %6, %7",
-          "%8", "%9", "%10")
+          "%8", "%9", "%10", "0")
 WGMMA_M64(Wgmma<32>, "32", WG_D16, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
-          "%16", "%17", "%18")
+          "%16", "%17", "%18", "0")
 WGMMA_M64(Wgmma<64>, "64", WG_D32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
-          "%32", "%33", "%34")
+          "%32", "%33", "%34", "0")
 WGMMA_M64(Wgmma<128>, "128", WG_D64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
-          "%64", "%65", "%66")
+          "%64", "%65", "%66", "0")
+WGMMA_M64(WgmmaTB<128>, "128", WG_D64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
+          "%64", "%65", "%66", "1")
