@@ -1,8 +1,9 @@
 """Build vt's CUDA kernel files for the host simulator (sim_runtime.h) and launch them from numpy.
 
-The kernels are the very sources NVRTC compiles (vt.kernels.sources), with tensor_core.cu's PTX
-wrappers swapped for sim_tensor_core.h. Needs a C++17 compiler; `build` raises SimUnavailable
-without one."""
+The kernels are the very sources NVRTC compiles (vt.kernels.sources), with the PTX wrappers
+(tensor_core.cu, wgmma.cu) swapped for sim_tensor_core.h and sim_wgmma.h. Needs a C++17
+compiler; `build` raises SimUnavailable without one. `python3 -m tests.cuda_sim.nvrtc` compiles
+the same files for sm_90a instead."""
 
 from __future__ import annotations
 
