@@ -93,10 +93,11 @@ for s in $steps; do
       timeout 200 python3 bench/mask_fill.py --rows 32,128 --threads 1,4,8 2>&1 | tail -9 \
         | tee "$OUT/mask_fill.log" ;;
     tilings)  # prefill attention's tilings: on the device against numpy, kernel times, prompts as served
+      # first the short diagnostic (a kernel that hangs costs 90 s here, not the suites' timeouts)
+      timeout 90 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv 2>&1 | tail -40 \
+        | tee "$OUT/tilings_tests.log"
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings or ragged" \
-        2>&1 | tail -5 | tee "$OUT/tilings_tests.log"
-      timeout 120 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv 2>&1 | tail -40 \
-        | tee -a "$OUT/tilings_tests.log"
+        2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       VT_PREFILL_TILING=${MODEL_TILING:-wg} timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
