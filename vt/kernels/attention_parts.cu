@@ -1,6 +1,6 @@
 // What the tensor-core attention kernels (attention_tc.cu, attention_wg.cu) share: their
-// parameter list, and the online softmax and the output of one 16-row m-tile held as mma.m16n8
-// C fragments.
+// parameter list, and the Q fragments, online softmax and output of one 16-row m-tile held as
+// mma.m16n8 fragments.
 
 // The kernels' parameters (one contract for every tiling; cuda_ops passes them in this order).
 #define ATTN_TC_PARAMS                                                                                   \
@@ -12,6 +12,24 @@
 #define ATTN_TC_ARGS                                                                                     \
     q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks, out, part_o,    \
         part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits
+
+// The A fragments of Q for rows ra (this thread's g) and rb (g + 8) of a 16-row m-tile, read
+// from global memory: qa[ks] covers head dims 16 ks .. 16 ks + 15; rows past nrows are zero.
+template <int D>
+__device__ __forceinline__ void load_q_frags(unsigned int (&qa)[D / 16][4], const bf16_t* __restrict__ q,
+                                             int q_stride, int ra, int rb, int c, int nrows, int group, int q0,
+                                             int kh) {
+    const bf16_t* pa = q + (size_t)(q0 + ra / group) * q_stride + (size_t)(kh * group + ra % group) * D;
+    const bf16_t* pb = q + (size_t)(q0 + rb / group) * q_stride + (size_t)(kh * group + rb % group) * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const int col = ks * 16 + 2 * c;
+        qa[ks][0] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col) : 0u;
+        qa[ks][1] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col) : 0u;
+        qa[ks][2] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col + 8) : 0u;
+        qa[ks][3] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col + 8) : 0u;
+    }
+}
 
 // Scores of 16 rows (a: g, b: g + 8 of the m-tile) over 8 * NS keys from kbase, masked
 // causally, through the online softmax: updates (m, l), leaves P as the bf16 A fragments of the

@@ -171,18 +171,7 @@ __device__ __forceinline__ void attention_tc_body(
 
     // Q fragments (A operand, row major), straight from global memory.
     unsigned int qa[DK][4];
-    {
-        const bf16_t* pa = q + (size_t)(q0 + ra / group) * q_stride + (size_t)(kh * group + ra % group) * D;
-        const bf16_t* pb = q + (size_t)(q0 + rb / group) * q_stride + (size_t)(kh * group + rb % group) * D;
-#pragma unroll
-        for (int ks = 0; ks < DK; ++ks) {
-            const int col = ks * 16 + 2 * c;
-            qa[ks][0] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col) : 0u;
-            qa[ks][1] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col) : 0u;
-            qa[ks][2] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa + col + 8) : 0u;
-            qa[ks][3] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb + col + 8) : 0u;
-        }
-    }
+    load_q_frags<D>(qa, q, q_stride, ra, rb, c, nrows, group, q0, kh);
 
     float o[DN][4];
 #pragma unroll
@@ -318,17 +307,7 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
             reinterpret_cast<unsigned int*>(q_s + lr * SROW)[w] = v;
         }
     } else {
-        const int ra = wr0 + g, rb = ra + 8;
-        const bf16_t* pa_ = q + (size_t)(q0 + ra / group) * q_stride + (size_t)(kh * group + ra % group) * D;
-        const bf16_t* pb_ = q + (size_t)(q0 + rb / group) * q_stride + (size_t)(kh * group + rb % group) * D;
-#pragma unroll
-        for (int ks = 0; ks < DK; ++ks) {
-            const int col = ks * 16 + 2 * c;
-            qa[ks][0] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa_ + col) : 0u;
-            qa[ks][1] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb_ + col) : 0u;
-            qa[ks][2] = ra < nrows ? *reinterpret_cast<const unsigned int*>(pa_ + col + 8) : 0u;
-            qa[ks][3] = rb < nrows ? *reinterpret_cast<const unsigned int*>(pb_ + col + 8) : 0u;
-        }
+        load_q_frags<D>(qa, q, q_stride, wr0 + g, wr0 + g + 8, c, nrows, group, q0, kh);
     }
 
     float o[MT][DN][4];
