@@ -4,6 +4,7 @@ so the rules are testable anywhere)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from vt.kernels.arena import ALIGN, aligned
@@ -32,22 +33,19 @@ def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int
 
 class PrefillTiling(NamedTuple):
     """How prompts are tiled on tensor cores: the kernel (`{d}` the head dim), the head dims it
-    has, rows of a block, its threads and dynamic shared memory for head dim d."""
+    has, rows of a block, its threads, and its dynamic shared memory for head dim d (the
+    kernel's template arguments: tc_smem's or wg_smem's)."""
 
     kernel: str
     head_dims: tuple[int, ...]
     rows: int
     threads: int
+    smem: Callable[[int], int]
     sm90_only: bool = False
 
-    def smem(self, d: int) -> int:
-        if self.kernel.startswith("attention_wgv"):
-            return wg_smem(self.rows // 64, 3, 2, v_direct=True)
-        if self.kernel.startswith("attention_wg"):
-            return wg_smem(self.rows // 64, 2, 2 if self.kernel.startswith("attention_wgp") else 1)
-        if self.kernel.endswith("_m2"):
-            return tc_smem(d, 2, self.rows)
-        return tc_smem(d, TC_STAGES)
+    def kernels(self) -> list[str]:
+        """Its kernels' names, one per head dim."""
+        return [self.kernel.format(d=d) for d in self.head_dims]
 
 
 # r64: four warps of 16 rows (the default, measured on the H200). w8: eight warps of 16 rows,
@@ -57,15 +55,18 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose (the one operand layout not proven on the device). Every tiling but r64 is built and
 # checked (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a
-# benchmark.
+# benchmark. The shared memory follows each entry's template arguments in attention_tc.cu /
+# attention_wg.cu (stages, staged Q rows, buffers, V read directly).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
-    "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128),
-    "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256),
-    "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128),
-    "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, sm90_only=True),
-    "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, sm90_only=True),
-    "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, sm90_only=True),
-    "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256, sm90_only=True),
+    "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES)),
+    "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256,
+                        lambda d: tc_smem(d, TC_STAGES)),
+    "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128, lambda d: tc_smem(d, 2, 128)),
+    "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2), True),
+    "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, lambda d: wg_smem(3, 2), True),
+    "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2, 2), True),
+    "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256,
+                         lambda d: wg_smem(2, 3, 2, v_direct=True), True),
 }
 DEFAULT_PREFILL_TILING = "r64"
 # The tiling with a kernel for every tensor-core head dim on every GPU, proven on the H200: a head

@@ -174,8 +174,7 @@ class CudaBackend:
             "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
             "attention_tc.cu": (
                 *(f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("decode", "decode8")),
-                *(t.kernel.format(d=d) for t in PREFILL_TILINGS.values() if not t.sm90_only
-                  for d in t.head_dims),
+                *(k for t in PREFILL_TILINGS.values() if not t.sm90_only for k in t.kernels()),
             ),
             "sampling.cu": (
                 "log_softmax_topk_k",
@@ -200,7 +199,7 @@ class CudaBackend:
         if name not in PREFILL_TILINGS:
             raise ValueError(f"prefill tiling {name!r} is not one of {sorted(PREFILL_TILINGS)}")
         t = PREFILL_TILINGS[name]
-        if t.sm90_only and t.kernel.format(d=t.head_dims[0]) not in self._kernels:
+        if t.sm90_only and not all(k in self._kernels for k in t.kernels()):
             why = self._compile_sm90a()
             if why:
                 if strict:
@@ -232,12 +231,10 @@ class CudaBackend:
             module.load(cubin)
             self._arch_modules.append(module)  # functions live as long as their module
             smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for t in PREFILL_TILINGS.values():
-                if t.sm90_only:
-                    for d in t.head_dims:
-                        fn = module.get_function(t.kernel.format(d=d))
-                        driver.funcSetAttribute(fn.ptr, smem_attr, _ATTN_SMEM_MAX)
-                        fns[t.kernel.format(d=d)] = fn
+            for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for k in t.kernels()):
+                fn = module.get_function(name)
+                driver.funcSetAttribute(fn.ptr, smem_attr, _ATTN_SMEM_MAX)
+                fns[name] = fn
         self._kernels.update(fns)
         return ""
 
