@@ -156,6 +156,9 @@ class SimAttention:
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
                 _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e), splits)
+        if rc == 2:
+            raise ValueError(f"{kernel}: a block wrote past the {smem} bytes of shared memory it was "
+                             "launched with")
         if rc:
             raise ValueError(f"{kernel}: launch refused ({threads} threads, {smem} bytes of shared memory)")
         if splits > 1:

@@ -247,14 +247,18 @@ inline void fiber_main() {
     swapcontext(&f.ctx, &b->fibers[next].ctx);
 }
 
-// Run `kernel` (a call of the kernel with its arguments) over the grid; smem_bytes is checked
-// against the static shared memory.
+// Run `kernel` (a call of the kernel with its arguments) over the grid: 0, or 1 when the launch
+// asks for more than the simulator has, or 2 when a block wrote past the smem_bytes it was
+// launched with (the bytes after them hold a pattern that must survive every block).
 inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem_bytes,
                   std::function<void()> kernel) {
     if (threads == 0 || threads > (unsigned)kMaxThreads || threads % 32 || smem_bytes > kSmem) return 1;
     body() = std::move(kernel);
     grid_dim() = {gx, gy, gz};
     block_dim() = {threads, 1, 1};
+    constexpr unsigned char kGuard = 0x5C;
+    const size_t guard_end = smem_bytes + 16384 < kSmem ? smem_bytes + 16384 : kSmem;
+    std::memset(g_smem + smem_bytes, kGuard, guard_end - smem_bytes);
     Block b;
     b.fibers.resize(threads);
     b.stacks.resize((size_t)threads * kStack);
@@ -288,6 +292,11 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                 }
                 b.cur = 0;
                 swapcontext(&b.sched, &b.fibers[0].ctx);  // back when every thread has exited
+                for (size_t i = smem_bytes; i < guard_end; ++i)
+                    if (g_smem[i] != kGuard) {
+                        block() = nullptr;
+                        return 2;
+                    }
             }
     block() = nullptr;
     return 0;
