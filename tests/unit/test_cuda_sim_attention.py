@@ -179,3 +179,15 @@ def test_the_simulator_sees_a_wrong_fragment_layout(sim):
     wrong = nb.attention(_float(q), _float(kc), _float(vc)[:, ::-1], qsl, seq_lens, table, scale, 1, 70)
     assert _rel_err(out, ref) < BF16_TOL
     assert _rel_err(out, wrong) > 0.1
+
+
+@pytest.mark.parametrize("tiling", ["r64", "m2", "wgp", "wgv"])
+def test_a_plan_short_of_shared_memory_fails_the_launch(sim, tiling):
+    """The simulator guards the bytes after a launch's shared memory, so the sizes
+    attention_plan computes by hand (tc_smem, wg_smem) are checked against what the kernels
+    write: the plan passes above, and 4 KB less fails."""
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(np.random.default_rng(1), [150], [150], 8, 2, 128, 16)
+    plan = attention_kernel(4, 150, 128, prefill=tiling)
+    with pytest.raises(ValueError, match="wrote past"):
+        sim.launch(plan.name, (plan.row_tiles, 2, 1), plan.threads, plan.smem - 4096, q, kc, vc, qsl,
+                   seq_lens, table, 128**-0.5, 1)
