@@ -64,16 +64,9 @@ def source(tokens: tuple[int, ...] = TOKEN_TILES, replace: Mapping[str, str] | N
 
 
 def compile_cubin(src: str, arch: str = "sm_90a") -> bytes:
-    from cupy_backends.cuda.libs import nvrtc
+    from vt.kernels.cuda_ops import compile_cubin as nvrtc_cubin
 
-    prog = nvrtc.createProgram(src, "streamk_gemm.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-std=c++17", f"-arch={arch}"])
-        return nvrtc.getCUBIN(prog)
-    except nvrtc.NVRTCError as exc:
-        raise RuntimeError(f"streamk_gemm.cu failed to compile:\n{nvrtc.getProgramLog(prog)}") from exc
-    finally:
-        nvrtc.destroyProgram(prog)
+    return nvrtc_cubin(src, "streamk_gemm.cu", arch)
 
 
 class StreamKGemm:

@@ -116,6 +116,21 @@ def _token_stride(x: cupy.ndarray, name: str) -> int:
     return x.strides[0] // 2
 
 
+def compile_cubin(source: str, name: str, arch: str = "sm_90a") -> bytes:
+    """NVRTC straight to a cubin for an arch-specific target (wgmma needs sm_90a; CuPy's RawModule
+    always adds the device's generic -arch). RuntimeError with the compile log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-std=c++17", f"-arch={arch}"])
+        return nvrtc.getCUBIN(prog)
+    except nvrtc.NVRTCError as exc:
+        raise RuntimeError(f"{name} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -212,21 +227,17 @@ class CudaBackend:
         CuPy's RawModule always adds the device's generic -arch, so these go through NVRTC
         directly and load as a cubin."""
         from cupy_backends.cuda.api import driver
-        from cupy_backends.cuda.libs import nvrtc
 
         cc = cupy.cuda.Device().compute_capability
         if cc != "90":
             return f"its kernels need an sm_90 GPU (this one is sm_{cc})"
         fns: dict[str, Any] = {}
         for fname in ARCH_KERNEL_FILES:
-            prog = nvrtc.createProgram(translation_unit(fname), fname, [], [])
             try:
-                nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
-                cubin = nvrtc.getCUBIN(prog)
-            except nvrtc.NVRTCError:
-                return f"{fname} failed to compile for sm_90a:\n{nvrtc.getProgramLog(prog)[-2000:]}"
-            finally:
-                nvrtc.destroyProgram(prog)
+                cubin = compile_cubin(translation_unit(fname), fname)
+            except RuntimeError as exc:
+                head, _, log = str(exc).partition("\n")
+                return f"{head}\n{log[-2000:]}"
             module = cupy.cuda.function.Module()
             module.load(cubin)
             self._arch_modules.append(module)  # functions live as long as their module
