@@ -73,13 +73,8 @@ inline void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned 
     }
 }
 
-inline uint16_t sim_rn_bf16(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-inline unsigned int pack2_rn(float lo, float hi) { return (uint32_t)sim_rn_bf16(lo) | ((uint32_t)sim_rn_bf16(hi) << 16); }
+// Round to nearest even, as cvt.rn does: cuda_common.cu's pack2 (compiled before this header).
+inline unsigned int pack2_rn(float lo, float hi) { return pack2(lo, hi); }
 
 inline unsigned int movmatrix_t(unsigned int a) {
     const int lane = sim::me().lane;

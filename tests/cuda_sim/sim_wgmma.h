@@ -73,7 +73,7 @@ inline void bar_sync(int id, int count) { sim::group_barrier(id, count, nullptr)
 inline void st_shared_u32(unsigned addr, unsigned v) { std::memcpy(sim_smem(addr), &v, 4); }
 
 inline void st_cg4(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }
-inline bf16_t round_bf16(float v) { return sim_rn_bf16(v); }
+inline bf16_t round_bf16(float v) { return f2bf(v); }
 
 // bf16 element (r, k) of a swizzled K-major operand described by desc.
 inline float sim_operand(u64_t desc, int r, int k) {
