@@ -202,15 +202,13 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
         // first step a zero P (and a finite Vt) make the first P V add nothing, and tiles past a
         // warpgroup's last row are computed fully masked: no wgmma sits on a branch, which ptxas
         // would answer by serializing them all.
-        for (int e = tid; e < (VT_BUFS * WG_D + NWG * BUFS * 64) * 8; e += NT)
-            st_shared_u32(vt_s + e * 16, 0u), st_shared_u32(vt_s + e * 16 + 4, 0u),
-                st_shared_u32(vt_s + e * 16 + 8, 0u), st_shared_u32(vt_s + e * 16 + 12, 0u);
-        if constexpr (VDIRECT) {  // the first P V reads the V of stage (tile0 - 1): loaded only later
-            const unsigned v0 = stage0 + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES + WG_K_BYTES;
-            for (int e = tid; e < WG_K_BYTES / 16; e += NT)
-                st_shared_u32(v0 + e * 16, 0u), st_shared_u32(v0 + e * 16 + 4, 0u),
-                    st_shared_u32(v0 + e * 16 + 8, 0u), st_shared_u32(v0 + e * 16 + 12, 0u);
-        }
+        // Zero `bytes` (a multiple of 4) of shared memory from addr, the block's threads together.
+        auto zero = [&](unsigned addr, int bytes) {
+            for (int e = tid; e < bytes / 4; e += NT) st_shared_u32(addr + e * 4, 0u);
+        };
+        zero(vt_s, (VT_BUFS * WG_D + NWG * BUFS * 64) * 128);  // every Vt and P buffer
+        if constexpr (VDIRECT)  // the first P V reads the V of stage (tile0 - 1): loaded only later
+            zero(stage0 + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES + WG_K_BYTES, WG_K_BYTES);
         int buf = 0;  // this tile's Vt and P buffer
         for (int tile = tile0; tile < tile1; ++tile, buf ^= 1) {
             next_tile(tile);
