@@ -179,6 +179,7 @@ class _Pieces:
     high: int                                   # arena bytes the graphs' buffers take
 
 
+@dataclass(slots=True)
 class _DecodeGraph:
     """One padded decode size, captured in two parts: `forward` stages the inputs and runs the
     model to `logits`, `sample` runs the sampler on them. A free step replays both back to back;
@@ -187,12 +188,9 @@ class _DecodeGraph:
     On CUDA `logits` is the captured buffer every replay rewrites; on numpy each forward replay
     sets it."""
 
-    __slots__ = ("forward", "sample", "logits")
-
-    def __init__(self) -> None:
-        self.forward: Any = None
-        self.sample: Any = None
-        self.logits: Any = None
+    forward: Any = None
+    sample: Any = None
+    logits: Any = None
 
 
 @dataclass
