@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default=",".join(map(str, SHARES)), help="JSON-schema shares in percent")
     p.add_argument("--repeats", type=int, default=1, help="runs of each row (the table gives medians)")
     p.add_argument("--server-args", default="", help="more vt serve flags, e.g. '--max-model-len 2048'")
+    p.add_argument("--emulate-step-ms", type=float, default=None,
+                   help="serve on bench/emulated_device.py: the CPU build with a device step of this "
+                        "many ms that does no arithmetic (the host's share alone; --device cpu)")
+    p.add_argument("--emulate-token-us", type=float, default=0.0,
+                   help="with --emulate-step-ms: device time added per token of a step")
     p.add_argument("--out", default=None, help="folder for structured.md and structured.json")
     args = p.parse_args(argv)
     cfg = BenchConfig(
@@ -177,21 +182,27 @@ def main(argv: list[str] | None = None) -> int:
         json_path=None, plot_path=None, progress=False)
     flags = ("--device", args.device, "--max-num-seqs", str(max(args.max_concurrency, 1)),
              *shlex.split(args.server_args))
+    launcher: tuple[str, ...] = ()
+    if args.emulate_step_ms is not None:
+        launcher = (sys.executable, str(Path(__file__).resolve().parent / "emulated_device.py"),
+                    "--step-ms", str(args.emulate_step_ms), "--token-us", str(args.emulate_token_us))
     runs = []
     shares = [int(x) for x in args.shares.split(",")]
     for repeat in range(args.repeats):  # interleaved, so drifts of a shared machine hit every row alike
         for share in shares:
             for on in (True, False):
                 arm = "--async-scheduling" if on else "--no-async-scheduling"
-                with ServerProcess(args.model, (*flags, arm), cfg.server_timeout) as srv:
+                with ServerProcess(args.model, (*flags, arm), cfg.server_timeout, launcher) as srv:
                     run = _run_async(run_load(srv.url, cfg, share))
                 run.update({"async": on, "repeat": repeat})
                 runs.append(run)
                 print(f"share {share}% async {'on' if on else 'off'} (repeat {repeat + 1}): "
                       f"{run['output_throughput']:.0f} output tok/s", file=sys.stderr)
     rows = median_rows(runs)
+    device = args.device if args.emulate_step_ms is None else (
+        f"emulated ({args.emulate_step_ms} ms a step + {args.emulate_token_us} us a token)")
     text = (f"{args.num_prompts} requests, {args.input_len} in / {args.output_len} out, concurrency "
-            f"{args.max_concurrency}, device {args.device}, {args.repeats} run(s) a row\n\n{table(rows)}\n")
+            f"{args.max_concurrency}, device {device}, {args.repeats} run(s) a row\n\n{table(rows)}\n")
     print(text)
     if args.out:
         out = Path(args.out)

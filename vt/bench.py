@@ -717,13 +717,15 @@ def _run_async(coro):
 class ServerProcess:
     """`python -m vt serve` on a free loopback port; its output is drained in a thread."""
 
-    def __init__(self, model_dir: str, flags: tuple[str, ...], timeout: float) -> None:
+    def __init__(self, model_dir: str, flags: tuple[str, ...], timeout: float,
+                 launcher: tuple[str, ...] = ()) -> None:
+        """launcher: the command that stands for `python -m vt` (a benchmark's wrapper of it)."""
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # so the child imports this same vt
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
-        self.cmd = [sys.executable, "-m", "vt", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                    "--port", "0", *flags]
+        self.cmd = [*(launcher or (sys.executable, "-m", "vt")), "serve", "--model", model_dir,
+                    "--host", "127.0.0.1", "--port", "0", *flags]
         self.lines: deque[str] = deque(maxlen=SERVER_LOG_LINES)
         self._ready = threading.Event()
         self._exited = threading.Event()

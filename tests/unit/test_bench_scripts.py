@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from unittest import mock
 
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -192,6 +193,42 @@ def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path
     bench = load_script("structured_outputs")
     assert [i for i in range(8) if bench.guided(i, 25)] == [3, 7]
     assert all(bench.guided(i, 100) for i in range(8)) and not any(bench.guided(i, 0) for i in range(8))
+
+
+def test_structured_outputs_bench_on_an_emulated_device(tmp_path: Path) -> None:
+    """--emulate-step-ms: the step sleeps instead of computing, and a guided row's token is one
+    its mask allows, so every guided request (a grammar rejecting a token fails the run) goes
+    through the masks and the deferred sampler, async on and off."""
+    from vt.model.make_model import make_model
+
+    model = make_model(tmp_path / "tiny", preset="tiny")
+    proc = run_script("structured_outputs.py", "--model", str(model), "--device", "cpu", "--num-prompts", "8",
+                      "--max-concurrency", "8", "--input-len", "8", "--output-len", "16", "--shares", "100",
+                      "--emulate-step-ms", "2", "--out", str(tmp_path / "out"), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "out" / "structured.json").read_text())
+    for run in data["runs"]:
+        assert run["guided"] == 8 and run["output_tokens"] == 8 * 16
+        assert run["mean_step_ms"] >= 2.0  # the emulated step's own time, at least
+    assert "device emulated (2.0 ms a step" in (tmp_path / "out" / "structured.md").read_text()
+
+
+def test_emulated_device_picks_a_token_the_mask_allows() -> None:
+    allowed_token = load_script("emulated_device").allowed_token
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        words = np.zeros(int(rng.integers(1, 40)), dtype=np.int32)
+        allowed = rng.choice(len(words) * 32, size=int(rng.integers(0, 4)), replace=False)
+        for t in allowed:
+            words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        start = int(rng.integers(0, 100))
+        tok = allowed_token(words, start)
+        if not len(allowed):
+            assert tok == -1
+            continue
+        # the first allowed token from word `start` on, wrapping around
+        order = sorted(allowed, key=lambda t: ((t // 32 - start) % len(words), t))
+        assert tok == order[0]
 
 
 def test_attn_tilings_serves_the_fastest_tiling_that_agrees() -> None:

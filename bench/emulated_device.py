@@ -1,0 +1,101 @@
+"""`vt` with the device step replaced by a timed stand-in: the host's share of serving, measured
+against a device of a given speed, on a machine without that device.
+
+    python3 bench/emulated_device.py --step-ms 3.4 --token-us 2 serve --model DIR --device cpu ...
+
+Everything after the emulation's own flags is `vt`'s command line. The server is the CPU build
+of vt (numpy backend, one step worker) in which a step's device part does no arithmetic: it
+sleeps for `--step-ms` plus `--token-us` per token of the step (releasing the GIL, as a GPU
+leaves the host's cores free), then writes token ids. A guided row's token is one its staged
+bitmask allows, so structured outputs run their real grammar work: the masks are filled, the
+sampler of a step whose masks wait for the previous step's tokens is held back and launched
+later (`ModelRunner.sample_deferred`), exactly as on CUDA. What remains to measure is the
+event loop's and the grammar threads' work against a device that never waits for the host,
+which is what decides whether guided rows cost the free rows of their batch anything.
+
+Free rows get arbitrary valid ids; nothing about the text is meaningful. The emulated step has
+one speed for every batch size, so pick `--step-ms` from a measured step of the shape served
+(RESULTS.md: a 0.6B decode step at batch 128 is about 3.4 ms on the H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+FREE_IDS = 900  # free rows sample ids 5..904: below any vocabulary vt builds, above the specials
+
+
+def allowed_token(words: np.ndarray, start: int) -> int:
+    """A token a packed bitmask row allows (bit t of word t // 32), the first at or after the
+    word `start` (wrapping); -1 if none is allowed."""
+    n = len(words)
+    start %= n
+    hits = np.flatnonzero(words[start:])
+    if len(hits):
+        w = start + int(hits[0])
+    else:
+        hits = np.flatnonzero(words[:start])
+        if not len(hits):
+            return -1
+        w = int(hits[0])
+    bits = int(words[w]) & 0xFFFFFFFF
+    return w * 32 + ((bits & -bits).bit_length() - 1)
+
+
+def install(step_ms: float, token_us: float) -> None:
+    """Replace ModelRunner's device part with the timed stand-in (for this process)."""
+    from vt import runner
+
+    def sample(rn: runner.ModelRunner, st: Any) -> None:
+        buf = rn.slots[st.slot]
+        nseq = st.nseq
+        out = buf.out_ids[:nseq]
+        out[:] = (np.arange(nseq) * 7 + rn.step_id * 13) % FREE_IDS + 5
+        if st.num_masks:
+            masks = buf.bitmask[0][: st.num_masks * rn.mask_words].reshape(st.num_masks, rn.mask_words)
+            for i, b in enumerate(buf.mask_rows[0][: st.num_masks]):
+                tok = allowed_token(masks[i], rn.step_id * 31 + int(b) * 17)
+                if tok >= 0:
+                    out[b] = tok
+
+    def device_step(self: runner.ModelRunner, st: Any) -> None:
+        time.sleep((step_ms * 1e3 + token_us * st.ntok) / 1e6)
+        if st.deferred:  # sample_deferred() brings the masks; its job samples then
+            return
+        sample(self, st)
+
+    def resume_sample(self: runner.ModelRunner, job: tuple[Any, Any]) -> None:
+        st, forward = job
+        if forward is not None:
+            forward.result()
+        sample(self, st)
+
+    runner.ModelRunner._device_step = device_step
+    runner.ModelRunner._resume_sample = resume_sample
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--step-ms", type=float, required=True, help="device time of every step")
+    ap.add_argument("--token-us", type=float, default=0.0, help="device time added per token of a step")
+    args, rest = ap.parse_known_args(argv)
+    if not rest or rest[0] != "serve":
+        ap.error("give vt's command after the emulation's flags: ... serve --model DIR --device cpu")
+    if "cpu" not in rest and "numpy" not in rest:
+        ap.error("the emulation replaces the CPU backend's step: pass --device cpu")
+    install(args.step_ms, args.token_us)
+    from vt import cli
+
+    return cli.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
