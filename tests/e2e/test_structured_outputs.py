@@ -139,6 +139,54 @@ def test_named_and_required_tool_choices_always_give_valid_calls(server, model):
             jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
+def test_grammars_may_hold_the_text_of_qwen3_markup_tokens(server, model):
+    """<think> and <tool_call> are added tokens that are text: a grammar allowing that text
+    may get them sampled, and the reply is the text (it was a 500 when the grammar engine read
+    them as special tokens)."""
+    markup = ["<think>yes", "<tool_call>no</tool_call>", "</think>"]
+    # one choice: the grammar forces the text, as the tokenizer would write it (the tokens)
+    replies = _gather(server, lambda client: [client.completions.create(
+        model=str(model), prompt="Answer:", temperature=1.0, seed=1, max_tokens=20,
+        extra_body={"guided_choice": [m]}) for m in markup])
+    assert [r.choices[0].text for r in replies] == markup
+    replies = _gather(server, lambda client: [client.completions.create(
+        model=str(model), prompt="Answer:", temperature=1.0, seed=seed, max_tokens=20,
+        extra_body={"guided_choice": [*markup, "plain"]}) for seed in range(20)])
+    assert all(r.choices[0].text in [*markup, "plain"] for r in replies)
+    schema = {"type": "object", "properties": {"t": {"enum": ["</think>", "</tool_call>"]}},
+              "required": ["t"], "additionalProperties": False}
+    replies = _gather(server, lambda client: [client.completions.create(
+        model=str(model), prompt="Answer:", temperature=1.0, seed=seed, max_tokens=40,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        for seed in range(10)])
+    for r in replies:
+        assert r.choices[0].finish_reason == "stop", (r.choices[0].text, r.choices[0].finish_reason)
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+
+
+def test_required_calls_of_tools_with_defs_and_no_parameters(server, model):
+    """pydantic-made tools ($defs at each parameters' root) under required, and a tool whose
+    parameters are {}: every call parses, and its arguments are an object."""
+    color = {"enum": ["red", "blue"], "type": "string"}
+    paint = {"type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}}, "required": ["color"],
+             "additionalProperties": False, "$defs": {"Color": color}}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": paint}},
+             {"type": "function", "function": {"name": "now", "parameters": {}}}]
+    replies = _gather(server, lambda client: [client.chat.completions.create(
+        model=str(model), messages=MESSAGES, tools=tools, tool_choice="required", temperature=1.0, seed=seed,
+        max_tokens=200, parallel_tool_calls=False, extra_body=NO_THINKING) for seed in range(20)])
+    names = set()
+    for r in replies:
+        (call,) = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        names.add(call.function.name)
+        if call.function.name == "paint":
+            assert args["color"] in ("red", "blue")
+        else:
+            assert args == {}
+    assert names == {"paint", "now"}
+
+
 def test_streamed_tool_calls_add_up_to_the_reply(server, model):
     kw = dict(model=str(model), messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0,
               seed=7, max_tokens=400, extra_body=NO_THINKING)
@@ -218,8 +266,8 @@ def _equivalence_load() -> list[dict]:
                 "max_tokens": 40, "stream": bool(i % 2)}
         kind = i % 4
         if kind == 1:
-            body.update(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
-                        max_tokens=600)
+            fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+            body.update(response_format=fmt, max_tokens=600)
         elif kind == 2:
             body.update(guided_regex=REGEX)
         elif kind == 3:

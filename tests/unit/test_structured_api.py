@@ -33,7 +33,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object"), "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
      GrammarSpec("json", SCHEMA_TEXT), "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
      GrammarSpec("json", SCHEMA_TEXT, strict=True), "response_format"),
     ({"structured_outputs": {"json": SCHEMA_TEXT}}, GrammarSpec("json", SCHEMA_TEXT), "structured_outputs"),
     ({"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}},
@@ -71,9 +72,14 @@ def test_no_constraint(fields):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      "response_format"),
+    # no name
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}}, "response_format"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
@@ -142,7 +148,7 @@ async def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field():
         raise GrammarError("Invalid type: foo")
 
     engine.compile_grammar = refuse
-    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
     resp = await call(make_app(engine), "POST", "/v1/chat/completions", {**CHAT, "response_format": bad})
     assert resp.status == 400
     err = jbody(resp)["error"]
@@ -154,7 +160,9 @@ async def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field():
 
 def test_tool_plans():
     tools = tuple(TOOLS)
-    assert parse_tool_plan({}, tools, auto_tool_choice=False).mode == "none"  # vLLM's default, no parser
+    with pytest.raises(ProtocolError, match="default when tools are given"):  # auto, as vLLM's
+        parse_tool_plan({}, tools, auto_tool_choice=False)
+    assert parse_tool_plan({"tool_choice": "none"}, tools, auto_tool_choice=False).mode == "none"
     assert parse_tool_plan({}, tools, auto_tool_choice=True).mode == "auto"
     assert parse_tool_plan({"tool_choice": "auto"}, None, auto_tool_choice=False).mode == "none"
     required = parse_tool_plan({"tool_choice": "required", "parallel_tool_calls": False}, tools, False)
@@ -167,6 +175,14 @@ def test_tool_plans():
     named = parse_tool_plan(choose, tools, False)
     assert named.mode == "named" and named.named == "get_weather"
     assert json.loads(named.grammar.text) == TOOLS[0]["function"]["parameters"]
+    # no parameters or {} is the empty object, a schema silent on the type an object schema
+    loose = ({"type": "function", "function": {"name": "now", "parameters": {}}},
+             {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}}}}})
+    for name, want in (("now", {"type": "object", "properties": {}, "additionalProperties": False}),
+                       ("f", {"properties": {"a": {}}, "type": "object"})):
+        choice = {"tool_choice": {"type": "function", "function": {"name": name}}}
+        plan = parse_tool_plan(choice, loose, False)
+        assert json.loads(plan.grammar.text) == want
     strict = ({"type": "function", "function": {**TOOLS[0]["function"], "strict": True}},)
     named = parse_tool_plan(choose, strict, False)
     assert json.loads(named.grammar.text)["additionalProperties"] is False
@@ -188,6 +204,27 @@ def test_bad_tool_fields_name_the_field(body, tools, param):
     with pytest.raises(ProtocolError) as e:
         parse_tool_plan(body, tuple(tools) if tools else None, auto_tool_choice=False)
     assert e.value.param == param
+
+
+def test_required_moves_each_tools_defs_to_the_root():
+    """pydantic's nested models and enums come as $defs with #/$defs/... references, which only
+    resolve at the schema's root; a name defined twice differently is a 400 naming tools."""
+    color = {"enum": ["red", "blue"], "type": "string"}
+
+    def tool(name, defs):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"c": {"$ref": "#/$defs/Color"}}, "required": ["c"],
+            "$defs": defs}}}
+
+    plan = parse_tool_plan({"tool_choice": "required"}, (tool("paint", {"Color": color}),
+                                                         tool("dye", {"Color": color})), False)
+    schema = json.loads(plan.grammar.text)
+    assert schema["$defs"] == {"Color": color}
+    assert all("$defs" not in c["properties"]["parameters"] for c in schema["items"]["anyOf"])
+    with pytest.raises(ProtocolError) as e:
+        parse_tool_plan({"tool_choice": "required"}, (tool("paint", {"Color": color}),
+                                                      tool("dye", {"Color": {"enum": ["x"]}})), False)
+    assert e.value.param == "tools"
 
 
 # --- model text -> tool calls -------------------------------------------------------------------
@@ -220,6 +257,30 @@ HERMES = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city"
     ("array", ' [ {"name": "ping", "parameters": {}},\n{"name": "get_weather", "parameters": {"city": "x"}}]',
      None, [("ping", "{}"), ("get_weather", '{"city": "x"}')]),
     ("named", '  {"city": "Lyon"}', None, [("get_weather", '{"city": "Lyon"}')]),
+    # text that names the tag, or a call that is not one: all of it is content, streamed or not
+    ("hermes", "use <tool_call> tags", "use <tool_call> tags", []),
+    ("hermes", 'Hi <tool_call>{"name": "search", "arguments": {"query": }}</tool_call>',
+     'Hi <tool_call>{"name": "search", "arguments": {"query": }}</tool_call>', []),
+    ("hermes", '<tool_call>[{"name": "ping"}]</tool_call>', '<tool_call>[{"name": "ping"}]</tool_call>', []),
+    ("hermes", '<tool_call>{"arguments": {"q": 1}}</tool_call> more',
+     '<tool_call>{"arguments": {"q": 1}}</tool_call> more', []),
+    ("hermes", '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+     '<tool_call>{"name": 7, "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "ping", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "ping", "arguments": [1]}</tool_call>', []),
+    # a first call stands; the failed second one and what follows are content
+    ("hermes", '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>oops',
+     "<tool_call>oops", [("ping", "{}")]),
+    # "parameters" for "arguments", and no arguments at all
+    ("hermes", '<tool_call>{"name": "ping", "parameters": {"a": 1}}</tool_call>', None,
+     [("ping", '{"a": 1}')]),
+    ("hermes", '<tool_call>{"name": "ping"}</tool_call>', None, [("ping", "{}")]),
+    # cut by max_tokens: inside a hermes call, it is content; a required array keeps the calls
+    # so far, partial arguments included, and is content if no call had its name yet
+    ("hermes", 'ok <tool_call>{"name": "ping", "argu', 'ok <tool_call>{"name": "ping", "argu', []),
+    ("array", '[{"name": "get_weather", "parameters": {"ci', None, [("get_weather", '{"ci')]),
+    ("array", '[{"name": "get_wea', '[{"name": "get_wea', []),
+    ("named", "  ", None, []),
 ])
 def test_streamed_tool_calls_add_up_to_the_whole_message(kind, text, content, calls):
     whole_content, whole = ToolCallStream(kind, "get_weather").parse(text)
@@ -304,19 +365,52 @@ async def test_chat_reply_with_reasoning_and_a_tool_call():
     assert resp.status == 200, resp.body
     choice = jbody(resp)["choices"][0]
     msg = choice["message"]
-    assert msg["reasoning_content"] == "weather?" and msg["content"] == "\n\nChecking."
+    # the reasoning under both of vLLM's names for it
+    assert msg["reasoning"] == msg["reasoning_content"] == "weather?" and msg["content"] == "\n\nChecking."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         ("get_weather", '{"city": "Oslo"}')]
     assert choice["finish_reason"] == "tool_calls"
 
     events = await read_sse(await call(app, "POST", "/v1/chat/completions", {**body, "stream": True}))
     deltas = [e["choices"][0] for e in events if e != "DONE" and e.get("choices")]
-    joined = {k: "".join(d["delta"].get(k) or "" for d in deltas) for k in ("reasoning_content", "content")}
-    assert joined == {"reasoning_content": "weather?", "content": "\n\nChecking."}
+    joined = {k: "".join(d["delta"].get(k) or "" for d in deltas) for k in ("reasoning", "reasoning_content",
+                                                                                "content")}
+    assert joined == {"reasoning": "weather?", "reasoning_content": "weather?", "content": "\n\nChecking."}
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["type"] == "function"
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Oslo"}'
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+async def test_include_reasoning_false_leaves_the_reasoning_out():
+    app = make_app(_chat_engine("<think>", "hmm", "</think>", "Hi."), reasoning_parser="qwen3")
+    body = {**CHAT, "include_reasoning": False}
+    msg = jbody(await call(app, "POST", "/v1/chat/completions", body))["choices"][0]["message"]
+    assert msg["content"] == "Hi." and msg["reasoning"] is None and msg["reasoning_content"] is None
+    events = await read_sse(await call(app, "POST", "/v1/chat/completions", {**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e != "DONE" and e.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi."
+    assert not any("reasoning" in d or "reasoning_content" in d for d in deltas)
+    resp = await call(app, "POST", "/v1/chat/completions", {**CHAT, "include_reasoning": "no"})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "include_reasoning"
+
+
+async def test_a_named_call_starts_only_once_the_reasoning_has_ended():
+    """While the model thinks, no call is announced; cut short there, the reply has no call."""
+    body = {**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    app = make_app(_chat_engine("<think>", "which city", " is it"), reasoning_parser="qwen3")
+    events = await read_sse(await call(app, "POST", "/v1/chat/completions", {**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e != "DONE" and e.get("choices")]
+    assert not any(d.get("tool_calls") for d in deltas)
+    msg = jbody(await call(app, "POST", "/v1/chat/completions", body))["choices"][0]["message"]
+    assert msg["reasoning"] == "which city is it" and "tool_calls" not in msg and msg["content"] is None
+    app = make_app(_chat_engine("<think>", "Rome", "</think>", '{"city": "Rome"}'), reasoning_parser="qwen3")
+    events = await read_sse(await call(app, "POST", "/v1/chat/completions", {**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e != "DONE" and e.get("choices")]
+    first = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+    assert all(not d.get("reasoning") for d in deltas[first:])
+    args = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+    assert args == '{"city": "Rome"}'
 
 
 async def test_named_tool_choice_reply_is_the_call():

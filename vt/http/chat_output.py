@@ -2,8 +2,12 @@
 
 A ChatOutputPlan is made once per request from the server's parsers and the request's tool
 fields; each choice gets a ChoiceShaper, which turns the text as it streams into OpenAI deltas
-(`reasoning_content`, `content`, `tool_calls`) and a whole text into the final message. Without
-a reasoning parser or tools the routes skip all of this and send the text as content.
+(`reasoning`, `content`, `tool_calls`) and a whole text into the final message. Without a
+reasoning parser or tools the routes skip all of this and send the text as content.
+
+The reasoning goes out under both names vLLM has used: `reasoning` (vLLM's since it followed
+OpenAI's guidance) and `reasoning_content` (DeepSeek's, which vLLM sent before and many clients
+still read). `include_reasoning: false` leaves it out; the reply is split all the same.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class ChatOutputPlan:
     reasoning: ReasoningParser | None
     tools: ToolPlan
     prompt_closed: bool = False        # the prompt already ended the thinking
+    include_reasoning: bool = True     # vLLM's include_reasoning: false drops the reasoning text
 
     @property
     def shapes(self) -> bool:
@@ -55,7 +60,7 @@ def chat_constraint(field: StructuredField | None, tools: ToolPlan) -> Structure
     if field is not None:
         raise ProtocolError(f"'{field.param}' cannot be combined with tool_choice "
                             f"'{tools.mode if tools.mode != 'named' else tools.named}'", field.param)
-    return StructuredField(tools.grammar, "tool_choice")
+    return StructuredField(tools.grammar, "tools")  # a grammar that fails to build is the tools' fault
 
 
 def _merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,8 +95,8 @@ class ChoiceShaper:
                 c, more = self._tools.finish()
                 content, calls = content + c, calls + more
         delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning and self._plan.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
         if calls:
@@ -112,7 +117,8 @@ class ChoiceShaper:
             content = echoed + (content or "")
         message: dict[str, Any] = {"role": role, "content": content}
         if plan.reasoning is not None:
-            message["reasoning_content"] = reasoning
+            shown = reasoning if plan.include_reasoning else None
+            message["reasoning"] = message["reasoning_content"] = shown
         if calls:
             message["tool_calls"] = calls
         return message

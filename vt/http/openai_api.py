@@ -612,7 +612,8 @@ class OpenAIApp:
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
         reasoning = self._reasoning
-        plan = ChatOutputPlan(reasoning, tools, reasoning is not None and reasoning.prompt_closed(prompt_ids))
+        plan = ChatOutputPlan(reasoning, tools, reasoning is not None and reasoning.prompt_closed(prompt_ids),
+                              get_bool(body, "include_reasoning", True))
         r = dataclasses.replace(r, params=await constrain(self.engine, r.params, field, plan.grammar_start()))
         # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
         # echo repeats the final message's content when the reply continues it

@@ -102,9 +102,14 @@ def _response_format(v: Any) -> GrammarSpec | None:
         js = v.get("json_schema")
         if not isinstance(js, dict):
             raise ProtocolError("'response_format.json_schema' must be an object with a 'schema'", param)
+        name = js.get("name")
+        if not isinstance(name, str) or not name:  # OpenAI's and vLLM's: a schema is named
+            raise ProtocolError("'response_format.json_schema.name' is required: a non-empty string", param)
         schema = js.get("schema")
         if schema is None:
             raise ProtocolError("'response_format.json_schema.schema' is required", param)
+        if not isinstance(schema, dict):  # here an object, not its JSON text (guided_json takes both)
+            raise ProtocolError("'response_format.json_schema.schema' must be a JSON schema object", param)
         return _spec("json", schema, param, strict=_flag(js, "strict", param, "response_format.json_schema"))
     raise ProtocolError("'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
                         f"{kind!r}", param)

@@ -69,18 +69,41 @@ def _check_tools(tools: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     return out
 
 
+_NOT_OBJECT_ONLY = ("type", "anyOf", "oneOf", "allOf", "not", "$ref", "enum", "const")
+_DEFS = ("$defs", "definitions")
+
+
 def _parameters(fn: dict[str, Any]) -> Any:
+    """A function's arguments schema. Arguments are always a JSON object (OpenAI's), so no
+    parameters (or `{}`) is the empty object, and a schema that says nothing of the type is an
+    object schema: left alone, a grammar would also allow `true` or `[1]` as the arguments."""
     params = fn.get("parameters")
-    if params is None:
+    if not params:
         return _NO_PARAMETERS
+    if not any(k in params for k in _NOT_OBJECT_ONLY):
+        params = {**params, "type": "object"}
     return close_objects(params) if fn.get("strict") else params
 
 
 def _required_schema(fns: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": _parameters(fn)},
-              "required": ["name", "parameters"], "additionalProperties": False} for fn in fns]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    """The array of calls that tool_choice required makes the output. Each function's `$defs`
+    (and older `definitions`) move to the array's root, where their `#/$defs/...` references
+    resolve once the schema is nested (pydantic writes them for every nested model or enum)."""
+    defs: dict[str, dict[str, Any]] = {}
+    calls = []
+    for fn in fns:
+        params = _parameters(fn)
+        if any(k in params for k in _DEFS):
+            params = dict(params)
+            for key in _DEFS:
+                for name, sub in (params.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                        raise ProtocolError(f"tools define {key}/{name} differently; tool_choice 'required' "
+                                            f"needs one definition of each name", "tools")
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -98,16 +121,18 @@ def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | No
     fns = _check_tools(tools or ())
     names = tuple(fn["name"] for fn in fns)
     choice = body.get("tool_choice")
-    if choice is None:  # vLLM's default: auto where the server parses tool calls, else none
-        choice = "auto" if fns and auto_tool_choice else "none"
+    if choice is None:  # vLLM's default: auto with tools (a 400 where the server parses none)
+        choice = "auto" if fns else "none"
     if choice == "none":
         return ToolPlan("none", names, parallel=parallel)
     if choice == "auto":
         if not fns:
             return ToolPlan("none", parallel=parallel)
         if not auto_tool_choice:
-            raise ProtocolError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice "
-                                "--tool-call-parser hermes", "tool_choice")
+            raise ProtocolError("tool_choice 'auto' (the default when tools are given) needs a server "
+                                "started with --enable-auto-tool-choice --tool-call-parser hermes; "
+                                "tool_choice 'none' gives the template the tools without parsing calls",
+                                "tool_choice")
         return ToolPlan("auto", names, parallel=parallel)
     if not fns:
         raise ProtocolError("tool_choice other than 'none' or 'auto' needs 'tools'", "tool_choice")
@@ -165,20 +190,55 @@ def _holdback(text: str, tag: str) -> int:
     return 0
 
 
+def _hermes_call(scan: ObjectScanner) -> tuple[str, str] | None:
+    """(name, arguments) of a closed `<tool_call>` object, or None if it is not a call: no
+    string name, or arguments that are not a JSON object. Arguments are the model's text as
+    written ("parameters" is read where "arguments" is missing, "{}" where both are)."""
+    name = scan.string("name")
+    if name is None:
+        return None
+    got = scan.raw("arguments") or scan.raw("parameters")
+    args = "{}" if got is None else got[0]
+    try:
+        if args.startswith('"'):  # arguments written as a JSON string of the object
+            args = orjson.loads(args)
+        if not isinstance(orjson.loads(args), dict):
+            return None
+    except (orjson.JSONDecodeError, TypeError):
+        return None
+    return name, args
+
+
 class ToolCallStream:
     """Content text in -> (content delta, tool-call deltas) out, for one choice.
 
     kind hermes: <tool_call>{...}</tool_call> blocks after free text; array: a JSON array of
-    {"name", "parameters"} objects; named: the whole text is one call's arguments."""
+    {"name", "parameters"} objects; named: the whole text is one call's arguments.
+
+    What the deltas add up to is the whole message (`parse` is the stream run on the whole
+    text), and text that was meant as a call but is not one is content, never dropped. (hermes
+    keeps vLLM's rule for text around calls: content is what comes before the first call.)
+    - hermes (auto): a call is sent whole, once its object has closed and holds a string name
+      and an arguments object. The model's text is not grammar-bound here, so a call could turn
+      out not to be one at any character; sending it only once it is known keeps every sent call
+      valid and lets a failed one fall back to content. A text that is not a call leaves it and
+      all that follows as content, as vLLM does.
+    - array (required) and named: the grammar guarantees the syntax, so arguments stream as
+      they are written. Only max_tokens can cut them: the calls so far keep their partial
+      arguments (finish_reason "length"), and an output cut before any call had its name is
+      content.
+    """
 
     def __init__(self, kind: str, named: str | None = None, parallel: bool = True) -> None:
         self.kind = kind
         self.parallel = parallel
         self.calls: list[ToolCall] = []
-        self.failed = False          # a call was not JSON: the text is content after all
+        self.failed = False          # a call was not one: the text is content from there on
         self._args_key = "parameters" if kind == "array" else "arguments"
         self._pending = ""           # hermes: text not yet classified (a tag may be starting)
+        self._scan: ObjectScanner | None = None  # hermes: the open call's object
         self._state = "text" if kind == "hermes" else "between"
+        self._raw: list[str] = []    # array / named: the text so far, content if no call comes
         if kind == "named":
             self.calls.append(ToolCall(0, _call_id(), named))
             self._state = "args"
@@ -187,34 +247,48 @@ class ToolCallStream:
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.failed:
             return text, []
+        if self.kind == "hermes":
+            content = self._hermes(text)
+            return content, self._whole_calls()
+        self._raw.append(text)
         if self.kind == "named":
             return "", self._named(text)
-        content = self._hermes(text) if self.kind == "hermes" else self._array(text)
+        content = self._array(text)
         return content, self._deltas()
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end of the output: what was held back, and the last deltas."""
-        content = ""
-        if self.kind == "hermes" and self._state == "text":
+        if self.failed:
+            return "", []
+        if self.kind == "hermes":
             content, self._pending = self._pending, ""
-        return content, self._deltas()
+            if self._state == "call":  # cut inside a call: it never was one
+                return CALL_START + (self._scan.text if self._scan else "") + content, []
+            return (content if self._state == "text" else ""), []
+        deltas = self._deltas() if self.kind == "array" else []
+        if not any(c.announced for c in self.calls):
+            raw = "".join(self._raw)
+            return (raw if raw.strip() else ""), deltas
+        return "", deltas
 
     def _named(self, text: str) -> list[dict[str, Any]]:
         call = self.calls[0]
         if not call.arguments:
             text = text.lstrip()
+            if not text:  # nothing written yet (or only reasoning so far): nothing to announce
+                return []
         call.arguments += text
         if not call.announced:
             call.announced = True
             return [{"index": 0, "id": call.id, "type": "function",
                      "function": {"name": call.name, "arguments": text}}]
-        return [{"index": 0, "function": {"arguments": text}}] if text else []
+        return [{"index": 0, "function": {"arguments": text}}]
 
     def _hermes(self, text: str) -> str:
         out = []
         rest = self._pending + text
         self._pending = ""
-        while rest and not self.failed:
+        while rest:
             if self._state == "text" or self._state == "between":
                 i = rest.find(CALL_START)
                 if i < 0:
@@ -222,30 +296,48 @@ class ToolCallStream:
                     if self._state == "text":
                         out.append(rest[: len(rest) - keep])
                     self._pending = rest[len(rest) - keep:]
-                    return "".join(out)
+                    break
                 if self._state == "text":
                     out.append(rest[:i])
                 rest = rest[i + len(CALL_START):]
                 if not self.parallel and self.calls:
                     self._state = "skip"
                     continue
-                self._open_call()
+                self._scan = ObjectScanner()
+                self._state = "call"
             elif self._state == "call":
-                rest = self._feed_call(rest)
-                if self._state == "call":
-                    return "".join(out)
-                if self.failed:
-                    out.append(rest)  # not a call after all: the rest stays text
-                    return "".join(out)
+                scan = self._scan
+                assert scan is not None
+                rest = rest[scan.feed(rest):]
+                if not scan.closed and not scan.invalid:
+                    break
+                call = None if scan.invalid else _hermes_call(scan)
+                if call is None:  # not a call after all: it and all that follows is content
+                    self.failed = True
+                    out.append(CALL_START + scan.text + rest)
+                    break
+                name, args = call
+                self.calls.append(ToolCall(len(self.calls), _call_id(), name, arguments=args,
+                                           announced=False, complete=True))
                 self._state = "close"
             else:  # close / skip: text up to </tool_call> is dropped
                 i = rest.find(CALL_END)
                 if i < 0:
                     self._pending = rest[len(rest) - _holdback(rest, CALL_END):]
-                    return "".join(out)
+                    break
                 rest = rest[i + len(CALL_END):]
                 self._state = "between"
         return "".join(out)
+
+    def _whole_calls(self) -> list[dict[str, Any]]:
+        """hermes: the calls completed since the last push, each as one whole delta."""
+        out = []
+        for call in self.calls:
+            if not call.announced:
+                call.announced = True
+                out.append({"index": call.index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}})
+        return out
 
     def _array(self, text: str) -> str:
         rest = text
@@ -255,20 +347,19 @@ class ToolCallStream:
                 continue
             c, rest = rest[0], rest[1:]
             if c == "{" and self._state == "between":
-                self._open_call()
+                self.calls.append(ToolCall(len(self.calls), _call_id(), scan=ObjectScanner()))
+                self._state = "call"
                 rest = "{" + rest
             elif c not in " \t\r\n[],":
                 self.failed = True
+                return c + rest  # the grammar allows no such text: from here on it is content
         return ""
-
-    def _open_call(self) -> None:
-        self.calls.append(ToolCall(len(self.calls), _call_id(), scan=ObjectScanner()))
-        self._state = "call"
 
     def _feed_call(self, text: str) -> str:
         """Feed the open call's object; returns the text after it once it closed."""
         call = self.calls[-1]
         scan = call.scan
+        assert scan is not None
         used = scan.feed(text)
         if scan.invalid:
             self.failed = True
@@ -301,14 +392,10 @@ class ToolCallStream:
 
     # ---- whole outputs ------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A whole output -> (content, tool calls), as the streamed deltas add up to."""
+        """A whole output -> (content, tool calls): what the streamed deltas add up to."""
         content, _ = self.push(text)
         more, _ = self.finish()
-        calls = [c for c in self.calls if c.name is not None]
-        if self.failed or (self.kind != "named" and any(not c.complete for c in calls)):
-            return (text or None), []
-        content += more
-        return (content or None) if self.kind == "hermes" else None, [c.message() for c in calls]
+        return (content + more) or None, [c.message() for c in self.calls if c.announced]
 
 
 def _call_id() -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from vt.structured.grammar_vocab import grammar_tokenizer_json
 from vt.structured.guide import Guide
 from vt.structured.spec import GrammarSpec, StructuredOutput
 
@@ -171,7 +172,7 @@ class GrammarCompiler:
     def _build_tokenizer(self) -> Any:
         import llguidance
 
-        text = self._tokenizer_json()
+        text = grammar_tokenizer_json(self._tokenizer_json())
         try:
             try:
                 return llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos or None)

@@ -32,7 +32,10 @@ class Guide:
             return None
         if self.matcher.consume_token(token_id):
             return None
-        return f"token {token_id} is outside the grammar: {self.matcher.get_error() or 'rejected'}"
+        # the first line is the reason; llguidance appends its parser state and the grammar text,
+        # which are not the client's to read
+        why = (self.matcher.get_error() or "").strip().splitlines()
+        return f"token {token_id} is outside the grammar: {why[0] if why else 'rejected'}"
 
     @property
     def finished(self) -> bool:
