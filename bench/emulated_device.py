@@ -5,13 +5,13 @@ against a device of a given speed, on a machine without that device.
 
 Everything after the emulation's own flags is `vt`'s command line. The server is the CPU build
 of vt (numpy backend, one step worker) in which a step's device part does no arithmetic: it
-sleeps for `--step-ms` plus `--token-us` per token of the step (releasing the GIL, as a GPU
-leaves the host's cores free), then writes token ids. A guided row's token is one its staged
-bitmask allows, so structured outputs run their real grammar work: the masks are filled, the
-sampler of a step whose masks wait for the previous step's tokens is held back and launched
-later (`ModelRunner.sample_deferred`), exactly as on CUDA. What remains to measure is the
-event loop's and the grammar threads' work against a device that never waits for the host,
-which is what decides whether guided rows cost the free rows of their batch anything.
+takes `--step-ms` plus `--token-us` per token of the step on a clock of its own (sleeping,
+which leaves the host's cores free, as a GPU does), then writes token ids. A guided row's token
+is one its staged bitmask allows, so structured outputs run their real grammar work: the masks
+are filled, the sampler of a step whose masks wait for the previous step's tokens is held back
+and launched later (`ModelRunner.sample_deferred`), exactly as on CUDA. What remains to measure
+is the event loop's and the grammar threads' work against a device that never waits for the
+host, which is what decides whether guided rows cost the free rows of their batch anything.
 
 Free rows get arbitrary valid ids; nothing about the text is meaningful. The emulated step has
 one speed for every batch size, so pick `--step-ms` from a measured step of the shape served
@@ -50,9 +50,51 @@ def allowed_token(words: np.ndarray, start: int) -> int:
     return w * 32 + ((bits & -bits).bit_length() - 1)
 
 
+class DeviceClock:
+    """When the emulated device would finish each job, as a GPU stream would run them: a job
+    starts once it is launched and the one before it has ended. The step worker runs the jobs
+    and sleeps until that time, so a late wake of the worker thread (it needs the GIL, which
+    the event loop may hold for milliseconds) does not push every later job back, as the
+    device, which needs no GIL, would not be."""
+
+    def __init__(self) -> None:
+        self.end = 0.0
+        self.launched = 0.0  # when the job now running was handed to the worker
+
+    def run(self, seconds: float) -> None:
+        self.end = max(self.end, self.launched) + seconds
+        delay = self.end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class LaunchingExecutor:
+    """The step worker, noting when each job was launched for the clock."""
+
+    def __init__(self, inner: Any, clock: DeviceClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def _run(self, launched: float, fn: Any, args: tuple) -> Any:
+        self.clock.launched = launched
+        return fn(*args)
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        return self.inner.submit(self._run, time.monotonic(), fn, args)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
+
+
 def install(step_ms: float, token_us: float) -> None:
     """Replace ModelRunner's device part with the timed stand-in (for this process)."""
     from vt import runner
+
+    init = runner.ModelRunner.__init__
+
+    def with_clock(self: runner.ModelRunner, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        self.emulated_clock = DeviceClock()
+        self.worker = LaunchingExecutor(self.worker, self.emulated_clock)
 
     def sample(rn: runner.ModelRunner, st: Any) -> None:
         buf = rn.slots[st.slot]
@@ -67,7 +109,7 @@ def install(step_ms: float, token_us: float) -> None:
                     out[b] = tok
 
     def device_step(self: runner.ModelRunner, st: Any) -> None:
-        time.sleep((step_ms * 1e3 + token_us * st.ntok) / 1e6)
+        self.emulated_clock.run((step_ms * 1e3 + token_us * st.ntok) / 1e6)
         if st.deferred:  # sample_deferred() brings the masks; its job samples then
             return
         sample(self, st)
@@ -76,8 +118,10 @@ def install(step_ms: float, token_us: float) -> None:
         st, forward = job
         if forward is not None:
             forward.result()
+        self.emulated_clock.run(0.0)  # the sampler's own time is in the step's
         sample(self, st)
 
+    runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner._device_step = device_step
     runner.ModelRunner._resume_sample = resume_sample
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from unittest import mock
@@ -211,6 +212,22 @@ def test_structured_outputs_bench_on_an_emulated_device(tmp_path: Path) -> None:
         assert run["guided"] == 8 and run["output_tokens"] == 8 * 16
         assert run["mean_step_ms"] >= 2.0  # the emulated step's own time, at least
     assert "device emulated (2.0 ms a step" in (tmp_path / "out" / "structured.md").read_text()
+
+
+def test_emulated_device_runs_jobs_as_a_stream_would() -> None:
+    """A job starts when launched or when the previous one ends, whichever is later; when the
+    worker got to it does not move it."""
+    clock = load_script("emulated_device").DeviceClock()
+    t0 = time.monotonic()
+    clock.launched = t0
+    clock.run(0.002)
+    assert clock.end == pytest.approx(t0 + 0.002, abs=1e-9)
+    clock.launched = t0 + 0.001  # launched while the first ran: queued behind it
+    clock.run(0.002)
+    assert clock.end == pytest.approx(t0 + 0.004, abs=1e-9)
+    clock.launched = clock.end + 0.003  # launched after the device went idle
+    clock.run(0.0)
+    assert clock.end == pytest.approx(t0 + 0.007, abs=1e-9) and time.monotonic() >= clock.end
 
 
 def test_emulated_device_picks_a_token_the_mask_allows() -> None:
