@@ -10,6 +10,7 @@ off give the same tokens over a batch of guided and free requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from pathlib import Path
@@ -244,18 +245,36 @@ def test_reasoning_is_split_off_and_the_grammar_starts_after_it(server, model):
     assert off.message.model_extra.get("reasoning_content") is None and off.message.content
 
 
+# $refs chained 3,000 definitions deep, and 4,000 right-recursive Lark rules: each overflows the
+# grammar engine's stack while it compiles
+REF_CHAIN = {"$defs": {**{f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+                          for i in range(3000)}, "d3000": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+RULE_CHAIN = "start: r0\n" + "\n".join(f'r{i}: "a{i}" r{i + 1} | "b"' for i in range(4000)) + '\nr4000: "z"'
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
+    # grammars that crash the grammar engine (a stack overflow) or break its run-time limits
+    ({"guided_json": REF_CHAIN}, "guided_json"),
+    ({"guided_grammar": RULE_CHAIN}, "guided_grammar"),
+    ({"guided_choice": [f"c{i}" for i in range(20000)]}, "guided_choice"),
+    ({"guided_regex": "(a){1000000}"}, "guided_regex"),
+    ({"guided_json": functools.reduce(lambda inner, _: {"type": "object", "properties": {"a": inner}},
+                                      range(300), {"type": "integer"})}, "guided_json"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, model, extra, param):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=str(model), messages=MESSAGES, max_tokens=5, extra_body=extra)
     assert e.value.body["param"] == param
+    # the server lives on and serves the same grammar kind
+    ok = client.completions.create(model=str(model), prompt="Answer:", max_tokens=20,
+                                   extra_body={"guided_choice": CHOICES})
+    assert ok.choices[0].text in CHOICES
 
 
 def _equivalence_load() -> list[dict]:

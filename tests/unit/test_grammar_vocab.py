@@ -50,6 +50,9 @@ class _Matcher:
     def consume_token(self, token_id: int) -> bool:
         return False
 
+    def is_error(self) -> bool:
+        return True
+
     def get_error(self) -> str:
         return ("Parser Error: token doesn't satisfy the grammar\n<state>\nTokens: ...\n</state>"
                 "<grammar>x</grammar>")

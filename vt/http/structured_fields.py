@@ -27,6 +27,15 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def json_text(v: Any, param: str) -> str:
+    """v as compact JSON text; a 400 naming param where it nests deeper than the serializer
+    goes (the body parser accepts deeper documents than orjson writes)."""
+    try:
+        return orjson.dumps(v).decode()
+    except TypeError as e:
+        raise ProtocolError(f"'{param}' cannot be used: {e} (nested too deep)", param) from None
+
+
 @dataclass(frozen=True)
 class StructuredField:
     spec: GrammarSpec
@@ -43,13 +52,13 @@ def _schema_text(v: Any, param: str) -> str:
             raise ProtocolError(f"'{param}' is not valid JSON: {e}", param) from None
     if not isinstance(v, dict):
         raise ProtocolError(f"'{param}' must be a JSON schema object", param)
-    return orjson.dumps(v).decode()
+    return json_text(v, param)
 
 
 def _choice_text(v: Any, param: str) -> str:
     if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
         raise ProtocolError(f"'{param}' must be a non-empty list of non-empty strings", param)
-    return orjson.dumps(v).decode()
+    return json_text(v, param)
 
 
 def _text(v: Any, param: str) -> str:

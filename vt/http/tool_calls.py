@@ -25,6 +25,7 @@ import orjson
 
 from vt.http.json_scan import ObjectScanner
 from vt.http.protocol import ProtocolError
+from vt.http.structured_fields import json_text
 from vt.structured.compiler import close_objects
 from vt.structured.spec import GrammarSpec
 
@@ -137,7 +138,7 @@ def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | No
     if not fns:
         raise ProtocolError("tool_choice other than 'none' or 'auto' needs 'tools'", "tool_choice")
     if choice == "required":
-        spec = GrammarSpec("json", orjson.dumps(_required_schema(fns, parallel)).decode())
+        spec = GrammarSpec("json", json_text(_required_schema(fns, parallel), "tools"))
         return ToolPlan("required", names, parallel=parallel, grammar=spec)
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -149,7 +150,7 @@ def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | No
             raise ProtocolError(f"tool_choice names the function {name!r}, which is not in tools",
                                 "tool_choice")
         target = fns[names.index(name)]
-        spec = GrammarSpec("json", orjson.dumps(_parameters(target)).decode())
+        spec = GrammarSpec("json", json_text(_parameters(target), "tools"))
         return ToolPlan("named", names, named=name, parallel=parallel, grammar=spec)
     raise ProtocolError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
                         "tool_choice")

@@ -30,19 +30,16 @@ from typing import Any
 import numpy as np
 import orjson
 
+from vt.structured.grammar_check import GrammarChecker
 from vt.structured.grammar_vocab import grammar_tokenizer_json
 from vt.structured.guide import Guide
-from vt.structured.spec import GrammarSpec, StructuredOutput
+from vt.structured.spec import GrammarError, GrammarSpec, StructuredOutput
 
 log = logging.getLogger("vt.structured")
 CACHE_SIZE = 512          # compiled grammars (and compile errors) kept
 COMPILE_THREADS = 2
 # llguidance's executor for a step's masks: its threads work while the event loop waits
 MASK_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-class GrammarError(ValueError):
-    """The schema or grammar cannot be compiled; the message says why."""
 
 
 # JSON schema keywords whose values are schemas, maps of schemas or lists of schemas.
@@ -113,6 +110,40 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise GrammarError(str(e)) from None
 
 
+def build_tokenizer(text: str, vocab_size: int, eos: Sequence[int]) -> Any:
+    """llguidance's tokenizer of a tokenizer.json text already made grammar-ready
+    (grammar_tokenizer_json); its vocab_size may exceed the model's (masks cover every token)."""
+    import llguidance
+
+    try:
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos) or None)
+    except ValueError:
+        # More tokens than the model has rows: masks cover them all, cut to the model's.
+        return llguidance.LLTokenizer(text, eos_token=list(eos) or None)
+
+
+def new_matcher(spec: GrammarSpec, tokenizer: Any) -> Any:
+    """A matcher of the spec's grammar in its start state; GrammarError for a grammar that does
+    not compile, or whose language is empty (it fails at its first mask)."""
+    import llguidance
+
+    try:
+        grammar = grammar_text(spec)
+    except RecursionError:
+        raise GrammarError("the schema is nested too deep") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise GrammarError(error.strip())
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error().strip())
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise GrammarError("the grammar admits no output at all")
+    return matcher
+
+
 class CompiledGrammar:
     """A grammar's matchers in their start state, one per shard (independently built, so they
     share no lexer state); `new_matcher(shard)` copies one for a request."""
@@ -128,8 +159,11 @@ class CompiledGrammar:
 
 class GrammarCompiler:
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = CACHE_SIZE) -> None:
+                 cache_size: int = CACHE_SIZE, isolate: bool = True) -> None:
+        """isolate: compile each new grammar in a child process first (GrammarChecker)."""
         self._tokenizer_json = tokenizer_json
+        self._isolate = isolate
+        self._checker: GrammarChecker | None = None  # made with the tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._cache_size = cache_size
@@ -170,21 +204,16 @@ class GrammarCompiler:
             return self._tokenizer
 
     def _build_tokenizer(self) -> Any:
-        import llguidance
-
         text = grammar_tokenizer_json(self._tokenizer_json())
         try:
-            try:
-                return llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=self._eos or None)
-            except ValueError:
-                # More tokens than the model has rows: masks cover them all, cut to the model's.
-                tokenizer = llguidance.LLTokenizer(text, eos_token=self._eos or None)
-                self._vocab_size = tokenizer.vocab_size
-                return tokenizer
+            tokenizer = build_tokenizer(text, self._vocab_size, self._eos)
         except Exception:
             log.warning("llguidance cannot read this tokenizer; structured outputs are unavailable",
                         exc_info=True)
             raise
+        self._checker = GrammarChecker(text, self._vocab_size, self._eos) if self._isolate else None
+        self._vocab_size = max(self._vocab_size, tokenizer.vocab_size)
+        return tokenizer
 
     def _future(self, spec: GrammarSpec) -> concurrent.futures.Future:
         with self._lock:
@@ -199,27 +228,15 @@ class GrammarCompiler:
             return fut
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        import llguidance
-
         try:
             tokenizer = self._tokenizer_future().result()  # queued first: running or done
         except Exception as e:  # the model's tokenizer, not the request, is at fault: say so
             raise GrammarError(f"structured outputs are not available for this model's tokenizer "
                                f"({type(e).__name__}: {e})") from None
-        grammar = grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise GrammarError(error.strip())
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error().strip())
-        probe = matcher.deep_copy()  # a grammar whose language is empty fails at its first mask
-        probe.compute_bitmask()
-        if probe.is_error():
-            raise GrammarError("the grammar admits no output at all")
+        if self._checker is not None:
+            self._checker.check(spec)  # in a child process first: a crash there is this spec's 400
         # ~1 ms each, off the loop like the rest of the compile
-        others = [llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(MASK_THREADS - 1)]
-        return CompiledGrammar([matcher, *others])
+        return CompiledGrammar([new_matcher(spec, tokenizer) for _ in range(MASK_THREADS)])
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar (cached); GrammarError if the spec does not compile."""
@@ -284,6 +301,9 @@ class GrammarCompiler:
                 self._tokenizer = None
             for spec in [k for k, f in self._cache.items() if not f.done()]:
                 del self._cache[spec]
+            checker = self._checker
+        if checker is not None:
+            checker.close()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         if masks is not None:

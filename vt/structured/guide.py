@@ -30,7 +30,7 @@ class Guide:
             if token_id == self.waiting_for:
                 self.waiting_for = None
             return None
-        if self.matcher.consume_token(token_id):
+        if self.matcher.consume_token(token_id) and not self.matcher.is_error():
             return None
         # the first line is the reason; llguidance appends its parser state and the grammar text,
         # which are not the client's to read
@@ -39,5 +39,6 @@ class Guide:
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and admits no further token: the request stops here."""
-        return self.waiting_for is None and self.matcher.is_stopped()
+        """The grammar is complete and admits no further token: the request stops here. (A
+        matcher in error is stopped too, but that is a failure, which advance() reports.)"""
+        return self.waiting_for is None and self.matcher.is_stopped() and not self.matcher.is_error()

@@ -15,6 +15,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 DEFAULT_JSON_WHITESPACE = r"(?:[ ]|\n[ ]{0,20})?"
 
 
+class GrammarError(ValueError):
+    """The schema or grammar cannot be compiled; the message says why."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """kind: json (text is a JSON schema), json_object (any JSON object; text unused), regex,

@@ -1,0 +1,79 @@
+"""Grammars are compiled in a child process first: one that crashes or stalls the grammar engine
+is its request's error, and the server's process never runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vt.model.make_model import make_model
+from vt.structured.compiler import GrammarCompiler
+from vt.structured.grammar_check import GrammarChecker
+from vt.structured.grammar_vocab import grammar_tokenizer_json
+from vt.structured.spec import GrammarError, GrammarSpec
+from vt.tokenizer import Tokenizer
+
+GOOD = GrammarSpec("regex", "[0-9]{3}")
+# $refs chained 3,000 deep: llguidance's recursive compile overflows a thread's stack (SIGSEGV)
+REF_CHAIN = GrammarSpec("json", json.dumps({
+    "$defs": {**{f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+                 for i in range(3000)}, "d3000": {"type": "integer"}}, "$ref": "#/$defs/d0"}))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    model = make_model(tmp_path_factory.mktemp("check") / "m", preset="tiny")
+    return Tokenizer.from_dir(str(model)).raw.to_str()
+
+
+def test_a_grammar_that_crashes_the_engine_is_an_error_and_the_next_check_works(tokenizer_json: str):
+    checker = GrammarChecker(grammar_tokenizer_json(tokenizer_json), 1024, [0])
+    try:
+        checker.check(GOOD)
+        with pytest.raises(GrammarError, match="crashed"):
+            checker.check(REF_CHAIN)
+        checker.check(GOOD)  # a new child
+        # limits llguidance enforces only while it runs show in the walk
+        with pytest.raises(GrammarError, match="max is 2000"):
+            checker.check(GrammarSpec("choice", json.dumps([f"c{i}" for i in range(20000)])))
+        with pytest.raises(GrammarError, match="too many expressions"):
+            checker.check(GrammarSpec("regex", "(a){1000000}"))
+    finally:
+        checker.close()
+
+
+def test_a_check_past_its_time_is_an_error(tokenizer_json: str):
+    checker = GrammarChecker(grammar_tokenizer_json(tokenizer_json), 1024, [0], timeout=0.0)
+    try:
+        with pytest.raises(GrammarError, match="took longer"):
+            checker.check(GOOD)
+    finally:
+        checker.close()
+
+
+def test_the_compiler_checks_first_and_caches_the_error(tokenizer_json: str, monkeypatch):
+    compiler = GrammarCompiler(lambda: tokenizer_json, 1024, [0])
+    try:
+        with pytest.raises(GrammarError, match="crashed"):
+            compiler.compile_blocking(REF_CHAIN)
+        with pytest.raises(GrammarError, match="crashed"):
+            compiler.compile_blocking(REF_CHAIN)  # cached: not checked again
+        assert compiler.compile_blocking(GOOD).new_matcher() is not None
+    finally:
+        compiler.shutdown()
+    unchecked = GrammarCompiler(lambda: tokenizer_json, 1024, [0], isolate=False)
+    try:
+        assert unchecked.compile_blocking(GOOD) is not None
+        assert unchecked._checker is None
+    finally:
+        unchecked.shutdown()
+
+
+def test_close_ends_the_child(tokenizer_json: str):
+    checker = GrammarChecker(grammar_tokenizer_json(tokenizer_json), 1024, [0])
+    checker.check(GOOD)
+    proc = checker._proc
+    assert proc is not None and proc.poll() is None
+    checker.close()
+    assert proc.poll() is not None
