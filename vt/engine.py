@@ -12,7 +12,8 @@ holds its sampler back; as soon as N is processed (its tokens advanced every gui
 hands N+1 its masks and the sampler runs. The masks are the ones depth 1 would compute, the
 forward still overlaps the host's work, and the other rows of the batch sample in the same
 launch (docs/structured_outputs.md). Processing N advances the guides first; the masks are then
-filled on a grammar thread while the loop detokenizes and streams N's tokens.
+filled on a grammar thread while the loop detokenizes N's tokens and schedules and stages N+2,
+and N+1's sampler is launched just before N+2's device work (runner.execute's before_launch).
 """
 
 from __future__ import annotations
@@ -454,7 +455,9 @@ class AsyncEngine:
                         # waiting: the gap async scheduling exists to close.
                         self._stats.gpu_idle_seconds_total += max(0.0, now - self._last_done)
                     try:
-                        h = self.runner.execute(batch, self._eos_for, self._fill_masks)
+                        # A step waiting for its masks gets its sampler launched once this one
+                        # is staged: its masks fill meanwhile (and there is no await in between)
+                        h = self.runner.execute(batch, self._eos_for, self._fill_masks, self._sample_deferred)
                     except Exception as exc:  # staging failed: fail this batch's requests
                         log.exception("step launch failed")
                         # On CUDA the launch runs the device work inline: its errors count too.
@@ -471,6 +474,7 @@ class AsyncEngine:
                     for rid in batch.released:
                         self.runner.release(rid)
             if inflight and (not launched or len(inflight) >= self.depth):
+                self._sample_deferred()  # no step launched after the last processing: join now
                 h = inflight.popleft()
                 step_rids = self._step_rids.pop(h.step_id, [])
                 try:
@@ -491,7 +495,8 @@ class AsyncEngine:
                 if self.record_events:
                     self.events.append(StepEvent("done", h.step_id))
                 self._process(out)
-                self._sample_deferred()
+                # The next step's masks now fill on the mask thread; its sampler is launched
+                # from the next launch's before_launch, or before the next wait.
                 self._busy_after_done = self.scheduler.has_unfinished()
                 continue
             if not launched:

@@ -402,10 +402,13 @@ class ModelRunner:
                                ops.from_host(np.asarray(new.output_token_ids, np.int32), "i32"))
 
     # ---- a step -----------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch, eos_for: Any,
-                fill_masks: MaskFiller | None = None) -> StepHandle:
+    def execute(self, batch: ScheduledBatch, eos_for: Any, fill_masks: MaskFiller | None = None,
+                before_launch: Callable[[], None] | None = None) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
-        token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows.
+        token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows;
+        before_launch runs once the step is staged on the host, before any of its masks is
+        filled and before its device work is launched (the engine launches the sampler of the
+        step before this one there, whose masks were being filled meanwhile).
 
         A guided row whose input is the previous step's token (from_last) cannot have its mask
         yet: the grammar must first see that token. Such a step runs its forward now and parks
@@ -524,6 +527,8 @@ class ModelRunner:
         np.take(row_blocks[:, :mb], idx, axis=0, out=bt_h)
         for name, _ in _ROW_PARAM_FIELDS:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
+        if before_launch is not None:
+            before_launch()
         num_masks = len(masked)
         if num_masks:
             if fill_masks is None:
