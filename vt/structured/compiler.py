@@ -122,9 +122,10 @@ def build_tokenizer(text: str, vocab_size: int, eos: Sequence[int]) -> Any:
         return llguidance.LLTokenizer(text, eos_token=list(eos) or None)
 
 
-def new_matcher(spec: GrammarSpec, tokenizer: Any) -> Any:
-    """A matcher of the spec's grammar in its start state; GrammarError for a grammar that does
-    not compile, or whose language is empty (it fails at its first mask)."""
+def new_matchers(spec: GrammarSpec, tokenizer: Any, count: int = 1) -> list[Any]:
+    """count matchers of the spec's grammar in its start state, each built on its own (they
+    share no lexer state); GrammarError for a grammar that does not compile, or whose language
+    is empty (it fails at its first mask)."""
     import llguidance
 
     try:
@@ -141,7 +142,8 @@ def new_matcher(spec: GrammarSpec, tokenizer: Any) -> Any:
     probe.compute_bitmask()
     if probe.is_error():
         raise GrammarError("the grammar admits no output at all")
-    return matcher
+    # ~1 ms each, off the loop like the rest of the compile
+    return [matcher, *(llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(count - 1))]
 
 
 class CompiledGrammar:
@@ -235,8 +237,7 @@ class GrammarCompiler:
                                f"({type(e).__name__}: {e})") from None
         if self._checker is not None:
             self._checker.check(spec)  # in a child process first: a crash there is this spec's 400
-        # ~1 ms each, off the loop like the rest of the compile
-        return CompiledGrammar([new_matcher(spec, tokenizer) for _ in range(MASK_THREADS)])
+        return CompiledGrammar(new_matchers(spec, tokenizer, MASK_THREADS))
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar (cached); GrammarError if the spec does not compile."""

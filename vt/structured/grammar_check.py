@@ -67,10 +67,10 @@ def _walk(matcher: Any, executor: Any, mask_words: int, steps: int) -> None:
 
 def _check(spec: GrammarSpec, tokenizer: Any, executor: Any) -> str | None:
     """Why the spec is unusable, or None: what the server's compile would say, then the walk."""
-    from vt.structured.compiler import new_matcher
+    from vt.structured.compiler import new_matchers
 
     try:
-        _walk(new_matcher(spec, tokenizer), executor, -(-tokenizer.vocab_size // 32), WALK_STEPS)
+        _walk(new_matchers(spec, tokenizer)[0], executor, -(-tokenizer.vocab_size // 32), WALK_STEPS)
     except GrammarError as e:
         return str(e)
     return None
