@@ -3,8 +3,10 @@
 SamplingParams checks what holds for any model (types, ranges). What depends on the model and
 on the arrays the runner stages a request into is checked here, once, before the request is
 queued: token ids against the vocabulary, integers against int32, floats against float32, id
-lists against the sampler's fixed slots, `n` against the waiting queue. A value that passes can
-never make a step fail. A failure is a SamplingParamsError naming the field (a 400 over HTTP).
+lists against the sampler's fixed slots, the sequences a request adds against the waiting queue,
+its length against the context and the KV cache, its priority against the scheduling policy. A
+value that passes can never make a step fail, and a request that passes can always be admitted
+once the queue has room. A failure is a SamplingParamsError naming the field (a 400 over HTTP).
 
 A new request field plugs in by adding its check to `check_params` (or a sibling for non-sampling
 fields) and its limit to `AdmissionLimits`.
@@ -36,11 +38,15 @@ class AdmissionLimits:
     max_waiting: int                 # the waiting queue: n engine requests must fit in it
     max_banned: int                  # sampler slots for ids banned while min_tokens is not reached
     eos_token_ids: frozenset[int]    # banned with stop_token_ids unless ignore_eos
+    kv_tokens: int | None = None     # KV cache slots: a sequence's prompt + output - 1 must fit
+    priority_scheduling: bool = True  # False (fcfs): a request's priority would be ignored
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_model_len", "max_waiting", "max_banned"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AdmissionLimits.{name} must be at least 1")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError("AdmissionLimits.kv_tokens must be at least 1")
 
 
 def check_token_ids(ids: Sequence[int], limits: AdmissionLimits, param: str) -> None:
@@ -52,8 +58,11 @@ def check_token_ids(ids: Sequence[int], limits: AdmissionLimits, param: str) -> 
                                              f"[0, {vocab})")
 
 
-def check_params(params: SamplingParams, limits: AdmissionLimits) -> SamplingParams:
+def check_params(params: SamplingParams, limits: AdmissionLimits, num_prompts: int = 1) -> SamplingParams:
     """`params` as the sampler will run them, or SamplingParamsError naming the field.
+
+    A request adds `num_prompts * n` sequences to the waiting queue at once; more than the queue
+    holds could never be admitted, so it is refused here rather than told to retry.
 
     Two values are normalised rather than refused, because their meaning survives exactly:
     top_k >= vocab_size keeps every token (off), and a top_p that float32 rounds below its
@@ -63,6 +72,11 @@ def check_params(params: SamplingParams, limits: AdmissionLimits) -> SamplingPar
         raise SamplingParamsError(
             "n", f"n ({params.n}) exceeds the waiting queue ({limits.max_waiting} requests), so the "
                  f"request could never be admitted")
+    if num_prompts * params.n > limits.max_waiting:
+        raise SamplingParamsError(
+            "prompt", f"the request adds {num_prompts * params.n} sequences ({num_prompts} prompts x n "
+                      f"{params.n}), more than the waiting queue holds ({limits.max_waiting}), so it "
+                      f"could never be admitted; send fewer prompts per request")
     changes: dict[str, object] = {}
     if params.top_k > INT32_MAX:
         raise SamplingParamsError("top_k", f"top_k must be at most {INT32_MAX}, got {params.top_k}")
@@ -86,3 +100,46 @@ def check_params(params: SamplingParams, limits: AdmissionLimits) -> SamplingPar
                                   f"token ids (end-of-sequence ids included) can be held back; got "
                                   f"{len(banned)}")
     return dataclasses.replace(params, **changes) if changes else params
+
+
+def check_priority(priority: int, limits: AdmissionLimits) -> None:
+    """A priority other than 0 needs priority scheduling: first-come first-served would ignore it."""
+    if priority != 0 and not limits.priority_scheduling:
+        raise SamplingParamsError(
+            "priority", f"priority scheduling is not enabled (got priority {priority}); start the "
+                        f"server with --scheduling-policy priority, or send priority 0")
+
+
+def fit_context(num_prompt_tokens: int, params: SamplingParams, limits: AdmissionLimits, *,
+                max_tokens_given: bool, prompt_param: str = "prompt",
+                max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """`params` for one prompt of `num_prompt_tokens` tokens, or SamplingParamsError naming the
+    prompt or the max_tokens field that does not fit the context or the KV cache.
+
+    A max_tokens the request did not give (a server default) is lowered to what the context
+    leaves instead of refused; one it gave must fit as given.
+    """
+    n, mml = num_prompt_tokens, limits.max_model_len
+    if n >= mml:
+        raise SamplingParamsError(
+            prompt_param, f"the prompt has {n} tokens; this model's maximum context length is {mml} "
+                          f"tokens, prompt and output together")
+    room = mml - n
+    max_tokens = params.max_tokens
+    if max_tokens is not None and max_tokens > room:
+        if max_tokens_given:
+            raise SamplingParamsError(
+                max_tokens_param, f"this model's maximum context length is {mml} tokens; the request "
+                                  f"has {n} prompt tokens and '{max_tokens_param}' {max_tokens} "
+                                  f"({n + max_tokens} in all), so '{max_tokens_param}' may be at "
+                                  f"most {room}")
+        params = dataclasses.replace(params, max_tokens=room)
+    kv = limits.kv_tokens
+    # the last sampled token is never fed back: prompt + output - 1 slots at most
+    need = n + (room if params.max_tokens is None else params.max_tokens) - 1
+    if kv is not None and need > kv:
+        param = max_tokens_param if max_tokens_given and n <= kv else prompt_param
+        raise SamplingParamsError(
+            param, f"the request needs up to {need} tokens of KV cache ({n} prompt tokens and up to "
+                   f"{need + 1 - n} output tokens) and the server holds {kv}; lower '{param}'")
+    return params

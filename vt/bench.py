@@ -154,8 +154,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="generate exactly the output length (default on)")
     d.add_argument("--temperature", type=_temperature, default=0.0,
                    help="0 = greedy; above 0 each request gets sampling seed --seed + its index")
-    d.add_argument("--priority", type=int, default=1,
-                   help="priority of requests not given one by --priority-mix")
+    d.add_argument("--priority", type=int, default=None,
+                   help="priority of requests not given one by --priority-mix (default: 1 with "
+                        "--priority-mix, else 0, which a server with --scheduling-policy fcfs accepts)")
     d.add_argument("--priority-mix", nargs="+", default=[], metavar="P:SHARE",
                    help="send SHARE of the requests with priority P, e.g. `0:0.2` sends 20%% at priority 0 "
                         "and the rest at --priority; several pairs allowed, shares add up to at most 1; "
@@ -250,7 +251,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         serve_flags=tuple(flags + extra), server_timeout=args.server_timeout,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, priority=args.priority,
+        temperature=args.temperature,
+        priority=args.priority if args.priority is not None else (1 if mix else 0),
         priority_mix=mix, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, goodput_slo_ms=goodput,
         compare_async=args.compare_async, repeats=args.repeats, json_path=args.json, plot_path=args.plot,

@@ -319,9 +319,9 @@ class ModelRunner:
             graphs = 0 if cfg.enforce_eager else GRAPH_RESERVE
             budget = int(free - total * (1.0 - cfg.gpu_memory_utilization) - graphs)
         else:
-            # CPU: enough for every sequence at full length, capped at 1 GiB.
+            # CPU: enough for every sequence at full length, capped at 1 GiB but never below one.
             need = cfg.max_num_seqs * self.max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4, tp)
-            budget = min(need, 1024**3)
+            budget = max(min(need, 1024**3), self.max_blocks * per_block)
         # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
         # nothing but a longer free list.
         useful = 2 * cfg.max_num_seqs * self.max_blocks
@@ -337,6 +337,28 @@ class ModelRunner:
             raise StartupMemoryError(f"no memory left for the KV cache ({budget} bytes, {per_block} bytes a "
                                      f"block)")
         return int(blocks)
+
+    def check_serves_full_context(self) -> None:
+        """Refuse to serve (StartupMemoryError naming the flags) where a request within
+        --max-model-len could still never run: a KV cache smaller than one sequence of that
+        length, or, without chunked prefill, a step too small for one such prompt."""
+        cfg, mml, blocks, bs = self.cfg, self.max_model_len, self.num_blocks, self.block_size
+        if blocks < self.max_blocks:
+            if cfg.num_gpu_blocks is not None:
+                more = f"raise --num-gpu-blocks to at least {self.max_blocks}"
+            elif cfg.kv_cache_memory is not None:
+                more = "raise --kv-cache-memory"
+            else:
+                more = "raise --gpu-memory-utilization"
+            raise StartupMemoryError(
+                f"the KV cache holds {blocks} blocks of {bs} tokens ({blocks * bs} tokens), less than "
+                f"one sequence of --max-model-len {mml} needs ({self.max_blocks} blocks); lower "
+                f"--max-model-len to at most {blocks * bs}, or {more}")
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < mml:
+            raise StartupMemoryError(
+                f"without chunked prefill a prompt must fit one step, and --max-num-batched-tokens "
+                f"{cfg.max_num_batched_tokens} is less than --max-model-len {mml}; raise "
+                f"--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill")
 
     def profile_run(self) -> None:
         """Run the largest step the flags allow once on each slot, at start: the most tokens over

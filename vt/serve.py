@@ -27,6 +27,7 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
                 options: ApiOptions | None = None, log_stats_every: float | None = None) -> int:
     started = time.monotonic()
     engine = AsyncEngine(cfg)
+    engine.runner.check_serves_full_context()
     await engine.start()
     app = OpenAIApp(engine, served_model_name, api_key=api_key, options=options)
     server = HttpServer(app.handle, limits or HttpLimits(), precheck=app.precheck)

@@ -58,7 +58,7 @@ def outputs(tiny_model_dir) -> dict[str, tuple[list, dict]]:
     res = {}
     for arm in ("--async-scheduling", "--no-async-scheduling"):
         server = start_server(tiny_model_dir, arm, "--num-gpu-blocks", "24", "--block-size", "16",
-                              "--max-num-seqs", "16")
+                              "--max-model-len", "384", "--max-num-seqs", "16")
         try:
             toks = asyncio.run(_run(server.url, bodies))
             res[arm] = (toks, wait_idle(server))

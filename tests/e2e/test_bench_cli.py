@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import start_server
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = (
@@ -73,6 +75,14 @@ def test_compare_async_writes_both_arms_and_a_plot(tiny_model_dir: Path, tmp_pat
     assert differ == data["mismatched_prompts"]
 
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.fixture(scope="module")
+def vt_server(tiny_model_dir: Path):
+    # priority scheduling: the runs below send priorities other than 0, which fcfs refuses
+    handle = start_server(tiny_model_dir, "--scheduling-policy", "priority")
+    yield handle
+    handle.stop()
 
 
 def test_bench_against_running_server(vt_server, tmp_path: Path) -> None:

@@ -56,21 +56,25 @@ class Trace:
 class Recorder:
     """Streams completions and numbers every chunk of every request in arrival order."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, model: str, priorities: bool) -> None:
         self.client, self.url, self.model = client, url, model
+        self.priorities = priorities
         self.count = 0
 
     @classmethod
-    async def open(cls, client: httpx.AsyncClient, url: str) -> Recorder:
+    async def open(cls, client: httpx.AsyncClient, url: str, priorities: bool = True) -> Recorder:
+        """`priorities` False: the server schedules fcfs, which refuses a priority other than 0,
+        so none is sent and the same workload runs unprioritised."""
         r = await client.get(f"{url}/v1/models")
-        return cls(client, url, r.json()["data"][0]["id"])
+        return cls(client, url, r.json()["data"][0]["id"], priorities)
 
     def send(self, name: str, prompt: list[int], max_tokens: int, priority: int = 0,
              **sampling: object) -> tuple[Trace, asyncio.Task]:
         trace = Trace(name, self.count)
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True, "logprobs": 0, "priority": priority, "temperature": 0.0,
-                **sampling}
+                "ignore_eos": True, "logprobs": 0, "temperature": 0.0, **sampling}
+        if self.priorities:
+            body["priority"] = priority
         return trace, asyncio.create_task(self._stream(trace, body))
 
     async def _stream(self, trace: Trace, body: dict) -> Trace:
@@ -225,7 +229,7 @@ async def test_priority_serves_high_before_low_backlog(servers) -> None:
 async def test_fcfs_serves_the_same_workload_in_arrival_order(servers) -> None:
     h = servers("--scheduling-policy", "fcfs", "--max-num-seqs", "2")
     async with client() as c:
-        rec = await Recorder.open(c, h.url)
+        rec = await Recorder.open(c, h.url, priorities=False)
         lows, highs, preemptions = await backlog_workload(rec)
     h0 = highs[0]
     assert h0.first > max(lo.first for lo in lows), "fcfs: H0 arrived after every low request"
@@ -241,7 +245,7 @@ async def test_equal_priority_requests_keep_arrival_order(servers, policy: str) 
     h = servers("--scheduling-policy", policy, "--max-num-seqs", "1")
     n = 6
     async with client() as c:
-        rec = await Recorder.open(c, h.url)
+        rec = await Recorder.open(c, h.url, priorities=policy == "priority")
         m0 = await rec.metrics()
         traces, tasks = [], []
         arrived = m0["vt:prompt_tokens_total"]
@@ -299,10 +303,12 @@ EXACT_N = 6
 EXACT_TOKENS = 48
 
 
-async def exact_workload(url: str) -> tuple[list[Trace], dict[str, float], dict[str, float]]:
-    """Six concurrent requests (three greedy, three seeded with temperature) with mixed priorities."""
+async def exact_workload(url: str,
+                         priorities: bool) -> tuple[list[Trace], dict[str, float], dict[str, float]]:
+    """Six concurrent requests (three greedy, three seeded with temperature) with mixed priorities
+    (`priorities` False: none, for an fcfs server)."""
     async with client() as c:
-        rec = await Recorder.open(c, url)
+        rec = await Recorder.open(c, url, priorities)
         m0 = await rec.metrics()
         traces, tasks = [], []
         for i in range(EXACT_N):
@@ -318,7 +324,7 @@ async def exact_workload(url: str) -> tuple[list[Trace], dict[str, float], dict[
 @pytest.fixture(scope="module")
 def exact_reference(servers) -> list[Trace]:
     h = servers("--block-size", "16")   # the default pool: no preemption
-    traces, m0, m1 = asyncio.run(exact_workload(h.url))
+    traces, m0, m1 = asyncio.run(exact_workload(h.url, priorities=False))
     assert m1["vt:num_preemptions_total"] == m0["vt:num_preemptions_total"]
     return traces
 
@@ -327,10 +333,11 @@ def exact_reference(servers) -> list[Trace]:
 @pytest.mark.parametrize("async_flag", ["--async-scheduling", "--no-async-scheduling"])
 async def test_preemption_keeps_outputs_exact(servers, exact_reference: list[Trace], policy: str,
                                               async_flag: str) -> None:
-    # 10 blocks of 16 tokens; one request needs up to 6 blocks, six together about 30
+    # 10 blocks of 16 tokens (a context of 160); one request needs up to 6 blocks, six together
+    # about 30
     h = servers("--scheduling-policy", policy, "--num-gpu-blocks", "10", "--block-size", "16",
-                "--max-num-seqs", str(EXACT_N), async_flag)
-    traces, m0, m1 = await exact_workload(h.url)
+                "--max-model-len", "160", "--max-num-seqs", str(EXACT_N), async_flag)
+    traces, m0, m1 = await exact_workload(h.url, priorities=policy == "priority")
     assert m1["vt:num_preemptions_total"] > m0["vt:num_preemptions_total"], "the pool forces preemption"
     for got, want in zip(traces, exact_reference):
         assert got.finish_reason == "length" and len(got.tokens) == EXACT_TOKENS

@@ -320,9 +320,16 @@ def test_prompt_longer_than_max_model_len_is_400_naming_lengths(server: ServerHa
     ids = [5] * (MAX_MODEL_LEN + 10)
     err = assert_error(completion(server, prompt=ids, max_tokens=1), 400)
     assert str(MAX_MODEL_LEN) in err["message"] and str(MAX_MODEL_LEN + 10) in err["message"]
+    assert err["param"] == "prompt"
     # prompt fits, prompt + max_tokens does not
     err = assert_error(completion(server, prompt=[5] * 2000, max_tokens=100), 400)
     assert str(MAX_MODEL_LEN) in err["message"] and "2100" in err["message"]
+    assert err["param"] == "max_tokens"
+    err = assert_error(completion(server, prompt=[5] * 2000, max_tokens=2**31), 400)
+    assert err["param"] == "max_tokens"
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=IO_TIMEOUT_S, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN})
+    assert assert_error(r, 400)["param"] == "max_completion_tokens"
     assert wait_idle(server)["vt:kv_cache_usage_perc"] == 0
 
 
@@ -331,6 +338,16 @@ def test_unsupported_content_type_is_415(server: ServerHandle) -> None:
         data = post_bytes("/v1/completions", b'{"prompt": "x"}', content_type=ctype)
         err = assert_error(raw_request(server, data), 415, "content-type")
         assert err["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics", "/version", "/load"])
+def test_head_answers_like_get_without_a_body(server: ServerHandle, path: str) -> None:
+    get = httpx.get(f"{server.url}{path}", timeout=IO_TIMEOUT_S)
+    head = httpx.head(f"{server.url}{path}", timeout=IO_TIMEOUT_S)
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path in ("/health", "/version", "/load"):  # bodies that do not change between the two
+        assert int(head.headers["content-length"]) == len(get.content)
 
 
 @pytest.mark.parametrize("method,path", [

@@ -73,6 +73,11 @@ def test_every_flag_has_help_that_shows_its_default(command):
     (("--tool-call-parser", "mistral"), "vt has the parsers hermes"),
     (("--enable-auto-tool-choice",), "--enable-auto-tool-choice needs --tool-call-parser"),
     (("--reasoning-parser", "qwen3"), "needs the tokens <think> and </think> in the model's tokenizer"),
+    # a KV cache or a step that could never hold one request of --max-model-len
+    (("--num-gpu-blocks", "24", "--block-size", "16", "--max-model-len", "1024"),
+     "lower --max-model-len to at most 384, or raise --num-gpu-blocks to at least 64"),
+    (("--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--max-model-len", "1024"),
+     "--max-num-batched-tokens 512 is less than --max-model-len 1024"),
 ])
 def test_launch_flags_vt_cannot_honour_fail_with_a_message(model, args, needle):
     r = vt("serve", str(model), "--device", "cpu", *args)

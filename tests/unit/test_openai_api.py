@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from vt.admission import AdmissionLimits
+from vt.config import EngineConfig
 from vt.engine import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
@@ -123,6 +124,8 @@ class FakeEngine:
     healthy: bool = True
     max_model_len: int = 128
     max_waiting: int = 1024
+    scheduling_policy: str = "priority"
+    kv_blocks: int = 0  # KV cache blocks of 16 tokens; 0: unknown, not checked
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
     calls: list[Call] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
@@ -159,6 +162,10 @@ class FakeEngine:
                                max_waiting=self.max_waiting, max_banned=16, eos_token_ids=frozenset((2,)))
 
     @property
+    def config(self) -> EngineConfig:
+        return EngineConfig(model="fake", scheduling_policy=self.scheduling_policy)
+
+    @property
     def health_problem(self) -> str | None:
         return None if self.healthy else "the engine stopped after an error: test"
 
@@ -172,7 +179,8 @@ class FakeEngine:
                 stream.done = stream.aborted = True
 
     def stats(self) -> EngineStats:
-        s = EngineStats(num_requests_running=3, generation_tokens_total=42)
+        s = EngineStats(num_requests_running=3, generation_tokens_total=42, block_size=16,
+                        num_gpu_blocks=self.kv_blocks)
         s.request_success_total["stop"] += 5
         s.time_to_first_token_seconds.observe(0.003)
         return s
@@ -346,6 +354,22 @@ async def test_n2_fans_out_with_shifted_seeds(app, engine):
      "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": 3}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {**CHAT, "best_of": "x"}, "best_of"),
+    *((path, {**base, **extra}, name) for path, base in (("/v1/completions", COMPLETION),
+                                                         ("/v1/chat/completions", CHAT))
+      for extra in ({"allowed_token_ids": [5]}, {"bad_words": ["the"]},
+                    {"return_tokens_as_token_ids": True}, {"truncate_prompt_tokens": 0},
+                    {"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "x"},
+                    {"truncate_prompt_tokens": 129})
+      for name in extra),
+    # the context (128 tokens here): the field that does not fit is named
+    ("/v1/completions", {**COMPLETION, "max_tokens": 2**31}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "prompt": "x" * 127}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["ok", "x" * 127]}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 120}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 127}]}, "messages"),
 ])
 async def test_bad_params_give_400_with_param(app, engine, path, body, param):
     resp = await call(app, "POST", path, body)
@@ -652,6 +676,27 @@ async def test_tokenize_and_detokenize(app):
     assert (await call(app, "POST", "/tokenize", {})).status == 400
 
 
+class BoundedTokenizer(CharTokenizer):
+    """CharTokenizer with a vocabulary to read: no token spells more than one character."""
+
+    raw = type("Raw", (), {"normalizer": None,
+                           "get_vocab": staticmethod(lambda with_added_tokens=True: {"a": 97})})()
+
+
+async def test_tokenize_and_detokenize_are_bounded_by_the_context():
+    engine = FakeEngine(tokenizer=BoundedTokenizer())  # 128 tokens: at most 128 characters fit
+    app = OpenAIApp(engine, MODEL)
+    resp = await call(app, "POST", "/tokenize", {"prompt": "x" * 5000})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "prompt"
+    assert "maximum context length is 128" in jbody(resp)["error"]["message"]
+    resp = await call(app, "POST", "/tokenize", {"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "messages"
+    resp = await call(app, "POST", "/detokenize", {"tokens": [97] * 129})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "tokens"
+    assert jbody(await call(app, "POST", "/detokenize", {"tokens": [97] * 128})) == {"prompt": "a" * 128}
+    assert jbody(await call(app, "POST", "/tokenize", {"prompt": "x" * 100}))["count"] == 101
+
+
 async def test_metrics_route(engine):
     app = OpenAIApp(engine, MODEL)
     app.server = FakeServer()
@@ -738,6 +783,99 @@ async def test_precheck_decides_on_the_head_alone(engine):
     assert app.precheck(make_request("POST", "/nope", b"")).status == 404
     wrong_method = make_request("GET", "/v1/completions", None, {"authorization": "Bearer k"})
     assert app.precheck(wrong_method).status == 405
+
+
+async def test_a_request_adding_more_sequences_than_the_queue_holds_is_400_not_503(engine):
+    engine.max_waiting = 4
+    app = OpenAIApp(engine, MODEL)
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"], "n": 2})
+    assert resp.status == 400, resp.body
+    err = jbody(resp)["error"]
+    assert err["param"] == "prompt" and "6 sequences" in err["message"] and "waiting queue" in err["message"]
+    assert not engine.calls and not resp.headers  # no Retry-After: retrying cannot help
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"], "n": 2})
+    assert resp.status == 200 and len(engine.calls) == 4
+
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_priority_needs_priority_scheduling(engine, path, base):
+    engine.scheduling_policy = "fcfs"
+    app = OpenAIApp(engine, MODEL)
+    resp = await call(app, "POST", path, {**base, "priority": 7})
+    assert resp.status == 400 and not engine.calls
+    err = jbody(resp)["error"]
+    assert err["param"] == "priority" and "priority scheduling is not enabled" in err["message"]
+    assert (await call(app, "POST", path, {**base, "priority": 0})).status == 200
+    assert (await call(app, "POST", path, base)).status == 200
+    engine.scheduling_policy = "priority"
+    resp = await call(OpenAIApp(engine, MODEL), "POST", path, {**base, "priority": 7})
+    assert resp.status == 200 and engine.calls[-1].priority == 7
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens(app, engine):
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": "abcdef",
+                                                       "truncate_prompt_tokens": 3})
+    assert resp.status == 200 and engine.calls[-1].prompt == list(b"def")
+    assert jbody(resp)["usage"]["prompt_tokens"] == 3
+    # token prompts longer than the context are cut, not refused
+    long_ids = [5] * 300 + [7, 8]
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": long_ids,
+                                                       "truncate_prompt_tokens": 10})
+    assert resp.status == 200 and engine.calls[-1].prompt == [5] * 8 + [7, 8]
+    resp = await call(app, "POST", "/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 4})
+    assert resp.status == 200 and engine.calls[-1].prompt == list(b"ant>")
+    # -1 keeps the maximum context, which leaves no room for output
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "prompt": long_ids,
+                                                       "truncate_prompt_tokens": -1})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "prompt"
+
+
+async def test_an_unasked_max_tokens_is_lowered_to_what_the_context_leaves(app, engine):
+    # completions default to 16 tokens: a 120-token prompt leaves 8 of the 128
+    resp = await call(app, "POST", "/v1/completions", {"prompt": "x" * 119})
+    assert resp.status == 200 and engine.calls[-1].params.max_tokens == 8
+    resp = await call(app, "POST", "/v1/completions", {"prompt": "x" * 119, "max_tokens": 9})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "max_tokens"
+    assert "at most 8" in jbody(resp)["error"]["message"]
+
+
+async def test_a_request_the_kv_cache_cannot_hold_names_its_field(engine):
+    engine.kv_blocks = 4  # 64 tokens of KV cache for a 128-token context
+    app = OpenAIApp(engine, MODEL)
+    resp = await call(app, "POST", "/v1/chat/completions", CHAT)  # max_tokens unset: up to 128
+    err = jbody(resp)["error"]
+    assert resp.status == 400 and err["param"] == "messages" and "KV cache" in err["message"]
+    assert "chatcmpl" not in err["message"]
+    resp = await call(app, "POST", "/v1/completions", {**COMPLETION, "max_tokens": 100})
+    assert resp.status == 400 and jbody(resp)["error"]["param"] == "max_tokens"
+    assert not engine.calls
+    assert (await call(app, "POST", "/v1/completions", {**COMPLETION, "max_tokens": 40})).status == 200
+
+
+@pytest.mark.parametrize("raw,message", [(b"18446744073709551616", "out of range"),
+                                         (b"-9223372036854775809", "out of range"),
+                                         (b"2.5", "must be an integer")])
+async def test_integers_beyond_64_bits_are_out_of_range(app, raw, message):
+    body = b'{"prompt": "hi", "n": ' + raw + b"}"
+    resp = await app.handle(make_request("POST", "/v1/completions", body))
+    err = jbody(resp)["error"]
+    assert resp.status == 400 and err["param"] == "n" and message in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics", "/version", "/load"])
+async def test_head_answers_as_get(app, path):
+    get, head = await call(app, "GET", path), await call(app, "HEAD", path)
+    assert head.status == get.status == 200
+    assert head.content_type == get.content_type
+    # the server writes the head only, with the Content-Length of this body
+    assert len(head.body) == len(get.body) or path in ("/v1/models", "/metrics")
+
+
+async def test_allow_lists_head_beside_get(app):
+    resp = await call(app, "POST", "/v1/models", {})
+    assert resp.status == 405 and ("allow", "GET, HEAD") in [(k.lower(), v) for k, v in resp.headers]
+    resp = await call(app, "HEAD", "/v1/completions")
+    assert resp.status == 405 and ("allow", "POST") in [(k.lower(), v) for k, v in resp.headers]
 
 
 async def test_n_beyond_the_waiting_queue_is_400_not_503(engine):

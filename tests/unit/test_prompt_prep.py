@@ -62,8 +62,6 @@ async def test_text_that_cannot_fit_is_refused_untokenized() -> None:
         await prep.encode("x" * 8001, "prompt")
     assert e.value.param == "prompt" and tok.calls == 0
     assert len(await prep.encode("x" * 7999, "prompt")) == 2000 and tok.calls == 1
-    # /tokenize has no context to fit: unbounded, still off the loop
-    assert len(await prep.encode("x" * 9000, "prompt", bounded=False)) == 2250
 
 
 async def test_the_bound_is_measured_after_normalizing() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from vt.admission import check_params
+from vt.admission import AdmissionLimits, check_params, check_priority, fit_context
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
@@ -46,7 +46,7 @@ from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.http.structured_fields import constrain, parse_structured_fields
 from vt.http.tool_calls import parse_tool_plan
 from vt.preview import preview
-from vt.sampling import SamplingParamsError
+from vt.sampling import SamplingParams, SamplingParamsError
 
 log = logging.getLogger("vt.http")
 
@@ -281,6 +281,9 @@ class OpenAIApp:
         # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
         self._api_key = api_key.encode("utf-8") if api_key else None
         self._prompts = PromptPreparer(engine.tokenizer, engine.max_model_len)
+        stats = engine.stats()  # the KV cache's size is fixed at start
+        self._kv_tokens = stats.num_gpu_blocks * stats.block_size or None
+        self._priority_scheduling = engine.config.scheduling_policy == "priority"
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         # path -> (needs auth, {method: handler})
         self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
@@ -331,9 +334,10 @@ class OpenAIApp:
         needs_auth, methods = route
         if needs_auth:
             self._check_auth(req)
-        handler = methods.get(req.method)
+        # HEAD runs the GET handler: the server writes its head (Content-Length included), no body
+        handler = methods.get("GET" if req.method == "HEAD" else req.method)
         if handler is None:
-            allow = ", ".join(methods)
+            allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
             raise HttpError(405, f"method {preview(req.method)} not allowed on {req.path}; use {allow}",
                             code="method_not_allowed", headers=[("allow", allow)])
         if req.method == "POST":
@@ -375,6 +379,30 @@ class OpenAIApp:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
+
+    def _limits(self) -> AdmissionLimits:
+        """The engine's limits with what the server adds: the KV cache's size, the policy."""
+        return dataclasses.replace(self.engine.limits, kv_tokens=self._kv_tokens,
+                                   priority_scheduling=self._priority_scheduling)
+
+    def _fit(self, prompts: list[list[int]], r: GenerationRequest, limits: AdmissionLimits,
+             max_tokens_given: bool, prompt_param: str, max_tokens_param: str) -> list[int | None]:
+        """Each prompt's max_tokens, checked against the context and the KV cache (a 400 naming
+        the prompt or the max_tokens field); before the engine sees the request."""
+        return [fit_context(len(p), r.params, limits, max_tokens_given=max_tokens_given,
+                            prompt_param=prompt_param, max_tokens_param=max_tokens_param).max_tokens
+                for p in prompts]
+
+    def _truncate(self, ids: list[int], r: GenerationRequest) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the maximum context)."""
+        k = r.truncate_prompt_tokens
+        if k is None:
+            return ids
+        mml = self.engine.max_model_len
+        if k > mml:
+            raise ProtocolError(f"'truncate_prompt_tokens' ({k}) is greater than this model's maximum "
+                                f"context length ({mml})", "truncate_prompt_tokens")
+        return ids[-(mml if k == -1 else k):]
 
     # --- prompts ---
 
@@ -419,7 +447,8 @@ class OpenAIApp:
 
     # --- generation plumbing ---
 
-    def _start(self, ids: list[str], prompts: list[list[int]], r: GenerationRequest) -> list[Any]:
+    def _start(self, ids: list[str], prompts: list[list[int]], r: GenerationRequest,
+               max_tokens: list[int | None]) -> list[Any]:
         """Add the n engine requests of each prompt (choice k: prompt k // n, sample k % n); on any
         failure abort the ones already added."""
         if self.draining:
@@ -427,9 +456,12 @@ class OpenAIApp:
                             type="service_unavailable", headers=[("retry-after", "1")])
         streams: list[Any] = []
         n = r.params.n
+        per_prompt: list[SamplingParams] = [
+            r.params if m == r.params.max_tokens else dataclasses.replace(r.params, max_tokens=m)
+            for m in max_tokens]
         try:
             for k, rid in enumerate(ids):
-                params = params_for_choice(r.params, k % n)
+                params = params_for_choice(per_prompt[k // n], k % n)
                 streams.append(self.engine.add_request(rid, prompts[k // n], params, priority=r.priority))
         except Exception as e:
             for rid in ids[:len(streams)]:
@@ -516,12 +548,14 @@ class OpenAIApp:
         entries = LazyList(len(lps), content)
         return {"content": entries if lazy else entries.materialize()}
 
-    def _launch(self, prefix: str, prompts: list[list[int]], r: Any) -> tuple[str, int, list, list]:
+    def _launch(self, prefix: str, prompts: list[list[int]], r: Any,
+                max_tokens: list[int | None]) -> tuple[str, int, list, list]:
         """Start the engine requests of one API call, n per prompt, choice index prompt * n + sample
-        as OpenAI and vLLM number them: (response id, created, streams, choices)."""
+        as OpenAI and vLLM number them, with each prompt's max_tokens from _fit: (response id,
+        created, streams, choices)."""
         base_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = self._request_ids(base_id, len(prompts) * r.params.n)
-        streams = self._start(ids, prompts, r)
+        streams = self._start(ids, prompts, r, max_tokens)
         if self.options.log_requests and log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: prompt tokens %s, priority %d, %s", base_id, [len(p) for p in prompts],
                       r.priority, r.params)
@@ -534,13 +568,17 @@ class OpenAIApp:
         body = parse_json_object(req.body)
         r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), body, "logprobs")
         self._check_model(r.model)
-        check_params(r.params, self.engine.limits)  # before the prompt work, which can be large
+        limits = self._limits()
+        # before the prompt work, which can be large
+        check_params(r.params, limits, num_prompts=len(r.prompts))
+        check_priority(r.priority, limits)
         field = parse_structured_fields(body)
         add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
-        prompts = [await self._completion_prompt_ids(p, add_special) for p in r.prompts]
+        prompts = [self._truncate(await self._completion_prompt_ids(p, add_special), r) for p in r.prompts]
+        max_tokens = self._fit(prompts, r, limits, body.get("max_tokens") is not None, "prompt", "max_tokens")
         r = dataclasses.replace(r, params=await constrain(self.engine, r.params, field))
         num_prompt = sum(map(len, prompts))
-        base_id, created, streams, choices = self._launch("cmpl", prompts, r)
+        base_id, created, streams, choices = self._launch("cmpl", prompts, r, max_tokens)
         if r.stream:
             return self._stream_response(
                 streams, self._completion_events(base_id, created, r, num_prompt, choices))
@@ -605,12 +643,16 @@ class OpenAIApp:
         r = self._with_defaults(parse_chat_request(body), body, "top_logprobs")
         opts = parse_template_options(body)
         self._check_model(r.model)
-        check_params(r.params, self.engine.limits)  # before the template and tokenizer run
+        limits = self._limits()
+        check_params(r.params, limits)  # before the template and tokenizer run
+        check_priority(r.priority, limits)
         tools = parse_tool_plan(body, opts.tools, self.options.enable_auto_tool_choice)
         field = chat_constraint(parse_structured_fields(body), tools)
-        prompt_ids = await self._chat_prompt_ids(r.messages, opts)
+        prompt_ids = self._truncate(await self._chat_prompt_ids(r.messages, opts), r)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
+        max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = self._fit([prompt_ids], r, limits, body.get(max_name) is not None, "messages", max_name)
         reasoning = self._reasoning
         plan = ChatOutputPlan(reasoning, tools, reasoning is not None and reasoning.prompt_closed(prompt_ids),
                               get_bool(body, "include_reasoning", True))
@@ -620,7 +662,7 @@ class OpenAIApp:
         last = r.messages[-1]
         role = "assistant" if opts.add_generation_prompt else last["role"]
         echoed = last["content"] if get_bool(body, "echo", False) and last["role"] == role else ""
-        base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r)
+        base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r, max_tokens)
         if r.stream:
             return self._stream_response(
                 streams, self._chat_events(base_id, created, r, len(prompt_ids), choices, role, echoed, plan))
@@ -737,7 +779,7 @@ class OpenAIApp:
         elif body.get("prompt") is not None:
             prompt = get_str(body, "prompt")
             add_special = get_bool(body, "add_special_tokens", True)
-            ids = await self._prompts.encode(prompt, "prompt", add_special_tokens=add_special, bounded=False)
+            ids = await self._prompts.encode(prompt, "prompt", add_special_tokens=add_special)
         else:
             raise ProtocolError("either 'prompt' or 'messages' is required", "prompt")
         return _json_body({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})
@@ -748,6 +790,10 @@ class OpenAIApp:
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
             raise ProtocolError("'tokens' must be a list of integers", "tokens")
+        mml = self.engine.max_model_len
+        if len(tokens) > mml:  # no sequence of this model is longer; the work grows with the list
+            raise ProtocolError(f"'tokens' has {len(tokens)} ids; this model's maximum context length "
+                                f"is {mml} tokens", "tokens")
 
         def work() -> str:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

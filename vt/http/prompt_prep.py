@@ -121,11 +121,10 @@ class PromptPreparer:
         """fn() on the loop when `size` (characters, tokens) is small, else in a worker thread."""
         return fn() if size <= INLINE_CHARS else await self._off_loop(fn)
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True,
-                     bounded: bool = True) -> list[int]:
-        """Token ids of text; with `bounded`, text that cannot fit is refused untokenized."""
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; text that cannot fit is refused untokenized."""
         def work() -> list[int]:
-            if bounded and len(text) > INLINE_CHARS:
+            if len(text) > INLINE_CHARS:
                 self._check_fits(text, param)
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

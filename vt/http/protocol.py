@@ -36,6 +36,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int
+    truncate_prompt_tokens: int | None   # keep only the prompt's last k tokens; -1: max-model-len
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ def get_int(body: dict[str, Any], name: str, default: int | None = None) -> int 
     if v is None:
         return default
     if not _is_int(v):
+        # JSON integers past 64 bits reach us as floats (rounded): say so, not "not an integer"
+        if isinstance(v, float) and (v >= 2**64 or v <= -2**63):
+            raise ProtocolError(f"'{name}' is out of range, got {preview(v)}", name)
         raise ProtocolError(f"'{name}' must be an integer, got {preview(v)}", name)
     return v
 
@@ -171,6 +175,9 @@ _UNSUPPORTED_BOTH = {
     "logit_bias": "'logit_bias' is not supported",
     "prompt_logprobs": "'prompt_logprobs' is not supported",
     "use_beam_search": "beam search is not supported",
+    "allowed_token_ids": "'allowed_token_ids' is not supported",
+    "bad_words": "'bad_words' is not supported",
+    "return_tokens_as_token_ids": "'return_tokens_as_token_ids' is not supported",
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
 _UNSUPPORTED_CHAT = {
@@ -198,19 +205,28 @@ def _best_of(body: dict[str, Any], n: int) -> None:
                             "best_of")
 
 
-def _common(body: dict[str, Any]) -> tuple[str | None, bool, bool, int]:
+def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
+    k = get_int(body, "truncate_prompt_tokens")
+    if k is not None and k < 1 and k != -1:
+        raise ProtocolError(f"'truncate_prompt_tokens' must be at least 1, or -1 for the maximum "
+                            f"context length, got {k}", "truncate_prompt_tokens")
+    return k
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    """The GenerationRequest fields both routes read the same way."""
     _reject_unsupported(body, _UNSUPPORTED_BOTH)
-    model = get_str(body, "model")
     stream = get_bool(body, "stream", False)
-    include_usage = _include_usage(body, stream)
-    priority = get_int(body, "priority", 0)
+    common = {"model": get_str(body, "model"), "stream": stream,
+              "include_usage": _include_usage(body, stream), "priority": get_int(body, "priority", 0),
+              "truncate_prompt_tokens": _truncate_prompt_tokens(body)}
     get_str(body, "user")  # accepted and ignored, but it must be a string as OpenAI documents
-    return model, stream, include_usage, priority
+    return common
 
 
 def _parse_one_prompt(v: Any, max_tokens: int | None) -> str | tuple[int, ...] | None:
     """A string or a list of token ids; None for anything else. A token list of `max_tokens` or
-    more ids is refused before it is read."""
+    more ids (None: no bound) is refused before it is read."""
     if isinstance(v, str):
         return v
     if isinstance(v, list) and v and _is_int(v[0]) and max_tokens is not None and len(v) >= max_tokens:
@@ -248,8 +264,9 @@ def parse_completion_request(body: dict[str, Any],
                              max_prompt_tokens: int | None = None) -> CompletionRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise ProtocolError("'prompt' is required", "prompt")
-    prompts = parse_prompts(body["prompt"], max_prompt_tokens)
-    model, stream, include_usage, priority = _common(body)
+    common = _common(body)
+    # a prompt to be truncated may be longer than the context: the body size bounds it then
+    prompts = parse_prompts(body["prompt"], None if common["truncate_prompt_tokens"] else max_prompt_tokens)
     if get_bool(body, "echo", False):
         raise ProtocolError("'echo' is not supported", "echo")
     _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
@@ -261,8 +278,7 @@ def parse_completion_request(body: dict[str, Any],
     max_tokens = get_int(body, "max_tokens", 16)
     params = _sampling_params(body, max_tokens, logprobs, {})
     _best_of(body, params.n)
-    return CompletionRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                             priority=priority, prompts=prompts)
+    return CompletionRequest(params=params, prompts=prompts, **common)
 
 
 def parse_messages(v: Any) -> tuple[dict[str, Any], ...]:
@@ -325,7 +341,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if body.get("messages") is None:
         raise ProtocolError("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
-    model, stream, include_usage, priority = _common(body)
+    common = _common(body)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs")
@@ -339,8 +355,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     max_tokens = get_int(body, max_name)
     params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None,
                               {"max_tokens": max_name, "logprobs": "top_logprobs"})
-    return ChatRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                       priority=priority, messages=messages, want_logprobs=want_logprobs)
+    _best_of(body, params.n)
+    return ChatRequest(params=params, messages=messages, want_logprobs=want_logprobs, **common)
 
 
 def params_for_choice(params: SamplingParams, index: int) -> SamplingParams:
