@@ -219,7 +219,9 @@ class AsyncEngine:
         self.eos_token_ids = frozenset(eos)
         self.limits = AdmissionLimits(vocab_size=self.model_config.vocab_size, max_model_len=mml,
                                       max_waiting=config.max_waiting, max_banned=MAX_BANNED,
-                                      eos_token_ids=self.eos_token_ids)
+                                      eos_token_ids=self.eos_token_ids,
+                                      kv_tokens=self.runner.num_blocks * config.block_size,
+                                      priority_scheduling=config.scheduling_policy == "priority")
         self._suspect: BaseException | None = None  # a step failed: a probe step tells whose fault
         # the next step's masks, being filled while a step is processed (never held across an await)
         self._masks: tuple[StepHandle, concurrent.futures.Future] | None = None

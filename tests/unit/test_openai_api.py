@@ -159,7 +159,9 @@ class FakeEngine:
     @property
     def limits(self) -> AdmissionLimits:
         return AdmissionLimits(vocab_size=self.tokenizer.vocab_size, max_model_len=self.max_model_len,
-                               max_waiting=self.max_waiting, max_banned=16, eos_token_ids=frozenset((2,)))
+                               max_waiting=self.max_waiting, max_banned=16, eos_token_ids=frozenset((2,)),
+                               kv_tokens=self.kv_blocks * 16 or None,
+                               priority_scheduling=self.scheduling_policy == "priority")
 
     @property
     def config(self) -> EngineConfig:

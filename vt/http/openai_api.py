@@ -281,9 +281,6 @@ class OpenAIApp:
         # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
         self._api_key = api_key.encode("utf-8") if api_key else None
         self._prompts = PromptPreparer(engine.tokenizer, engine.max_model_len)
-        stats = engine.stats()  # the KV cache's size is fixed at start
-        self._kv_tokens = stats.num_gpu_blocks * stats.block_size or None
-        self._priority_scheduling = engine.config.scheduling_policy == "priority"
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         # path -> (needs auth, {method: handler})
         self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
@@ -379,11 +376,6 @@ class OpenAIApp:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
-
-    def _limits(self) -> AdmissionLimits:
-        """The engine's limits with what the server adds: the KV cache's size, the policy."""
-        return dataclasses.replace(self.engine.limits, kv_tokens=self._kv_tokens,
-                                   priority_scheduling=self._priority_scheduling)
 
     def _fit(self, prompts: list[list[int]], r: GenerationRequest, limits: AdmissionLimits,
              max_tokens_given: bool, prompt_param: str, max_tokens_param: str) -> list[int | None]:
@@ -568,7 +560,7 @@ class OpenAIApp:
         body = parse_json_object(req.body)
         r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), body, "logprobs")
         self._check_model(r.model)
-        limits = self._limits()
+        limits = self.engine.limits
         # before the prompt work, which can be large
         check_params(r.params, limits, num_prompts=len(r.prompts))
         check_priority(r.priority, limits)
@@ -643,7 +635,7 @@ class OpenAIApp:
         r = self._with_defaults(parse_chat_request(body), body, "top_logprobs")
         opts = parse_template_options(body)
         self._check_model(r.model)
-        limits = self._limits()
+        limits = self.engine.limits
         check_params(r.params, limits)  # before the template and tokenizer run
         check_priority(r.priority, limits)
         tools = parse_tool_plan(body, opts.tools, self.options.enable_auto_tool_choice)

@@ -31,16 +31,11 @@ from typing import Any
 
 import orjson
 
-from vt.structured.spec import GrammarError, GrammarSpec
+from vt.structured.spec import GrammarError, GrammarSpec, matcher_error
 
 log = logging.getLogger("vt.structured")
 CHECK_TIMEOUT_S = 60.0
 WALK_STEPS = 8          # tokens walked through a new grammar, each after a mask
-
-
-def _first_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else "rejected"
 
 
 def _walk(matcher: Any, executor: Any, mask_words: int, steps: int) -> None:
@@ -55,14 +50,14 @@ def _walk(matcher: Any, executor: Any, mask_words: int, steps: int) -> None:
             return
         llg_np.fill_next_token_bitmask_par(executor, [(matcher, 0)], mask)
         if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
+            raise GrammarError(matcher_error(matcher))
         words = np.flatnonzero(mask[0])
         if not len(words):
             raise GrammarError("the grammar admits no further token")
         w = int(words[0])
         bits = int(mask[0, w]) & 0xFFFFFFFF
         if not matcher.consume_token(w * 32 + (bits & -bits).bit_length() - 1) or matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
+            raise GrammarError(matcher_error(matcher))
 
 
 def _check(spec: GrammarSpec, tokenizer: Any, executor: Any) -> str | None:

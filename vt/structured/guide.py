@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vt.structured.spec import matcher_error
+
 
 class Guide:
     __slots__ = ("matcher", "waiting_for", "shard")
@@ -32,10 +34,7 @@ class Guide:
             return None
         if self.matcher.consume_token(token_id) and not self.matcher.is_error():
             return None
-        # the first line is the reason; llguidance appends its parser state and the grammar text,
-        # which are not the client's to read
-        why = (self.matcher.get_error() or "").strip().splitlines()
-        return f"token {token_id} is outside the grammar: {why[0] if why else 'rejected'}"
+        return f"token {token_id} is outside the grammar: {matcher_error(self.matcher)}"
 
     @property
     def finished(self) -> bool:

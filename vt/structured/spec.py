@@ -7,6 +7,7 @@ the HTTP layer can hold one without loading the grammar engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON whitespace between tokens when the request does not choose: one space, or a line break and
@@ -17,6 +18,13 @@ DEFAULT_JSON_WHITESPACE = r"(?:[ ]|\n[ ]{0,20})?"
 
 class GrammarError(ValueError):
     """The schema or grammar cannot be compiled; the message says why."""
+
+
+def matcher_error(matcher: Any) -> str:
+    """The first line of a matcher's error: the reason. llguidance appends its parser state and
+    the grammar text, which are not the client's to read."""
+    lines = (matcher.get_error() or "").strip().splitlines()
+    return lines[0] if lines else "rejected"
 
 
 @dataclass(frozen=True)
