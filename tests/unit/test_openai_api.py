@@ -361,7 +361,7 @@ async def test_n2_fans_out_with_shifted_seeds(app, engine):
     *((path, {**base, **extra}, name) for path, base in (("/v1/completions", COMPLETION),
                                                          ("/v1/chat/completions", CHAT))
       for extra in ({"allowed_token_ids": [5]}, {"bad_words": ["the"]},
-                    {"return_tokens_as_token_ids": True}, {"truncate_prompt_tokens": 0},
+                    {"return_tokens_as_token_ids": 1}, {"truncate_prompt_tokens": 0},
                     {"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "x"},
                     {"truncate_prompt_tokens": 129})
       for name in extra),
@@ -636,6 +636,23 @@ async def test_chat_logprobs_shape(app, engine):
     assert [t["token"] for t in first["top_logprobs"]] == ["H", "I", "J"]
     assert set(first["top_logprobs"][0]) == {"token", "logprob", "bytes"}
     assert engine.calls[0].params.logprobs == 3
+
+
+async def test_logprobs_tokens_as_ids(app):
+    # return_tokens_as_token_ids names every token by id; text offsets still count the text
+    body = jbody(await call(app, "POST", "/v1/completions",
+                            {**COMPLETION, "logprobs": 1, "return_tokens_as_token_ids": True}))
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{ord(c)}" for c in "HlA "]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["top_logprobs"][0] == {"token_id:72": -0.5}
+    events = await read_sse(await call(app, "POST", "/v1/chat/completions",
+                                       {**CHAT, "logprobs": True, "top_logprobs": 2, "stream": True,
+                                        "return_tokens_as_token_ids": True}))
+    first = next(e["choices"][0]["logprobs"]["content"][0] for e in events
+                 if e["choices"] and e["choices"][0].get("logprobs"))
+    assert first["token"] == "token_id:72" and first["bytes"] == list(b"token_id:72")
+    assert [t["token"] for t in first["top_logprobs"]] == ["token_id:72", "token_id:73"]
 
 
 async def test_chat_without_logprobs_requests_none(app, engine):

@@ -86,6 +86,10 @@ class _TextEvents:
         return parts[0] + orjson.dumps(text) + parts[1]
 
 
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def _version() -> str:
     from vt import __version__
 
@@ -504,20 +508,27 @@ class OpenAIApp:
     def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[Any], choice: _Choice, lazy: bool = False) -> dict[str, Any]:
+    def _token_name(self, as_ids: bool) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or "token_id:N" when the client asked for ids
+        (return_tokens_as_token_ids: a token whose text is not valid UTF-8 alone stays distinct)."""
+        return _token_id_name if as_ids else self._token_text
+
+    def _completion_logprobs(self, lps: list[Any], choice: _Choice, as_ids: bool,
+                             lazy: bool = False) -> dict[str, Any]:
         """Completions logprobs; `lazy` leaves the top alternatives (the bulk) to be built as the
-        body is written (a LazyList)."""
+        body is written (a LazyList). text_offset counts characters of the generated text either
+        way."""
+        name = self._token_name(as_ids)
         tokens, token_lps, offsets = [], [], []
         for lp in lps:
-            text = self._token_text(lp.token_id)
-            tokens.append(text)
+            tokens.append(name(lp.token_id))
             token_lps.append(max(lp.logprob, LOGPROB_FLOOR))
             offsets.append(choice.text_offset)
-            choice.text_offset += len(text)
+            choice.text_offset += len(self._token_text(lp.token_id))
 
         def top(i: int) -> dict[str, float]:
             lp = lps[i]
-            alts = {self._token_text(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
+            alts = {name(t): max(v, LOGPROB_FLOOR) for t, v in lp.top}
             alts.setdefault(tokens[i], max(lp.logprob, LOGPROB_FLOOR))  # the sampled token is always listed
             return alts
 
@@ -525,10 +536,12 @@ class OpenAIApp:
         return {"tokens": tokens, "token_logprobs": token_lps,
                 "top_logprobs": tops if lazy else tops.materialize(), "text_offset": offsets}
 
-    def _chat_logprobs(self, lps: list[Any], lazy: bool = False) -> dict[str, Any]:
+    def _chat_logprobs(self, lps: list[Any], as_ids: bool, lazy: bool = False) -> dict[str, Any]:
         """Chat logprobs; `lazy` builds each token's entry as the body is written."""
+        name = self._token_name(as_ids)
+
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
+            text = name(token_id)
             return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}
 
         def content(i: int) -> dict[str, Any]:
@@ -580,7 +593,8 @@ class OpenAIApp:
             "id": base_id, "object": "text_completion", "created": created, "model": self.served_model_name,
             "choices": [{
                 "index": c.index, "text": "".join(c.text),
-                "logprobs": self._completion_logprobs(c.logprobs, c, lazy=True) if want_lp else None,
+                "logprobs": (self._completion_logprobs(c.logprobs, c, r.tokens_as_ids, lazy=True)
+                             if want_lp else None),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in choices],
             "usage": self._usage(num_prompt, choices),
@@ -612,7 +626,8 @@ class OpenAIApp:
                 return []
             choice = {
                 "index": i, "text": out.text,
-                "logprobs": self._completion_logprobs(list(out.logprobs or ()), c) if want_lp else None,
+                "logprobs": (self._completion_logprobs(list(out.logprobs or ()), c, r.tokens_as_ids)
+                             if want_lp else None),
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
             }
@@ -665,7 +680,8 @@ class OpenAIApp:
             "choices": [{
                 "index": c.index,
                 "message": message,
-                "logprobs": self._chat_logprobs(c.logprobs, lazy=True) if r.want_logprobs else None,
+                "logprobs": (self._chat_logprobs(c.logprobs, r.tokens_as_ids, lazy=True)
+                             if r.want_logprobs else None),
                 "finish_reason": finish_reason, "stop_reason": c.stop_reason,
             } for c, (message, finish_reason) in zip(choices, replies)],
             "usage": self._usage(len(prompt_ids), choices),
@@ -711,7 +727,8 @@ class OpenAIApp:
                 delta = {"content": out.text} if out.text or out.token_ids else {}
             return [chunk({
                 "index": i, "delta": delta,
-                "logprobs": self._chat_logprobs(list(out.logprobs or ())) if r.want_logprobs else None,
+                "logprobs": (self._chat_logprobs(list(out.logprobs or ()), r.tokens_as_ids)
+                             if r.want_logprobs else None),
                 "finish_reason": reason,
                 "stop_reason": out.stop_reason if out.finished else None,
             })]

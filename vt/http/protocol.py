@@ -37,6 +37,7 @@ class GenerationRequest:
     include_usage: bool
     priority: int
     truncate_prompt_tokens: int | None   # keep only the prompt's last k tokens; -1: max-model-len
+    tokens_as_ids: bool                  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,6 @@ _UNSUPPORTED_BOTH = {
     "use_beam_search": "beam search is not supported",
     "allowed_token_ids": "'allowed_token_ids' is not supported",
     "bad_words": "'bad_words' is not supported",
-    "return_tokens_as_token_ids": "'return_tokens_as_token_ids' is not supported",
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
 _UNSUPPORTED_CHAT = {
@@ -219,7 +219,8 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     stream = get_bool(body, "stream", False)
     common = {"model": get_str(body, "model"), "stream": stream,
               "include_usage": _include_usage(body, stream), "priority": get_int(body, "priority", 0),
-              "truncate_prompt_tokens": _truncate_prompt_tokens(body)}
+              "truncate_prompt_tokens": _truncate_prompt_tokens(body),
+              "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False)}
     get_str(body, "user")  # accepted and ignored, but it must be a string as OpenAI documents
     return common
 
