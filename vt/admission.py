@@ -92,6 +92,10 @@ def check_params(params: SamplingParams, limits: AdmissionLimits, num_prompts: i
                                                         f"{F32_TINY:.4g} (float32), got "
                                                         f"{params.repetition_penalty}")
     check_token_ids(params.stop_token_ids, limits, "stop_token_ids")
+    if params.logit_bias is not None:
+        check_token_ids([t for t, _ in params.logit_bias], limits, "logit_bias")
+    if params.allowed_token_ids is not None:
+        check_token_ids(params.allowed_token_ids, limits, "allowed_token_ids")
     if params.min_tokens > 0:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))
         if len(banned) > limits.max_banned:
@@ -99,6 +103,11 @@ def check_params(params: SamplingParams, limits: AdmissionLimits, num_prompts: i
                 "stop_token_ids", f"with min_tokens set, at most {limits.max_banned} distinct stop "
                                   f"token ids (end-of-sequence ids included) can be held back; got "
                                   f"{len(banned)}")
+        if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
+            raise SamplingParamsError(
+                "allowed_token_ids", f"every token in allowed_token_ids is a stop token held back "
+                                     f"until min_tokens ({params.min_tokens}) is reached, so no token "
+                                     f"could be sampled")
     return dataclasses.replace(params, **changes) if changes else params
 
 

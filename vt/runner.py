@@ -30,7 +30,7 @@ from vt.memory_plan import StepMemory, plan_step_memory
 from vt.model.batch import ForwardBatch
 from vt.model.loader import load_weights
 from vt.model.transformer import Transformer
-from vt.sampling import MAX_LOGPROBS, SamplingParams
+from vt.sampling import MAX_LOGIT_ENTRIES, MAX_LOGPROBS, SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
 MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
@@ -86,6 +86,8 @@ class _Row:
     penalized: bool
     guided: bool = False  # a grammar masks its tokens (structured outputs)
     num_blocks: int = 0   # entries of the row's block table line written so far
+    num_biased: int = 0   # logit_bias / allowed_token_ids entries in the row's bias table line
+    exclusive: bool = False  # allowed_token_ids: every token not in the line is masked out
 
 
 class _SlotBuffers:
@@ -120,6 +122,8 @@ class _SlotBuffers:
         # row each one masks. One mask row per sequence at most, like every per-row buffer.
         self.bitmask = pair((max_seqs * mask_words,), i32, "i32")
         self.mask_rows = pair((max_seqs,), i32, "i32")
+        # logit_bias / allowed_token_ids: (batch row, table row, entries, exclusive) per biased row
+        self.bias_sel = pair((max_seqs * 4,), i32, "i32")
         self.out_ids = ops.pinned_empty((max_seqs,), i32)
         self.out_logprob = ops.pinned_empty((max_seqs,), f32)
         self.out_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
@@ -221,6 +225,8 @@ class _Launch:
     num_masks: int = 0                   # guided rows: bitmask rows staged for the sampler
     mask_rids: tuple[str, ...] = ()      # their request ids, in bitmask row order
     deferred: bool = False               # masks come after the previous step: sample later
+    bias_inits: tuple = ()               # (row, tokens, biases) of admissions that bias logits
+    num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
 
 
 class ModelRunner:
@@ -243,6 +249,10 @@ class ModelRunner:
         self.last_tokens = ops.zeros((rows,), "i32")
         self.out_counts = ops.zeros((rows, vocab), "i32")
         self.prompt_mask = ops.zeros((rows, vocab), "u8")
+        # logit_bias / allowed_token_ids by sampler row, written at admission: ids ascending and
+        # their biases (a request holds at most MAX_LOGIT_ENTRIES, checked by SamplingParams)
+        self.bias_tokens = ops.zeros((rows, MAX_LOGIT_ENTRIES), "i32")
+        self.bias_values = ops.zeros((rows, MAX_LOGIT_ENTRIES), "f32")
         self.inv_freq = ops.from_host(model_cfg.inv_freq(), "f32")
         self.mask_words = -(-vocab // 32)
         self.slots = [_SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks, self.mask_words)
@@ -406,6 +416,15 @@ class ModelRunner:
             self.row_params[name][row.index] = value
         return row
 
+    def _init_bias_row(self, row: _Row, tokens: tuple[int, ...], biases: tuple[float, ...]) -> None:
+        """Write a row's logit_bias / allowed_token_ids line (device work on the current slot;
+        admissions of such requests only, through from_host like the penalty rows)."""
+        n = len(tokens)
+        if n:
+            ops = self.ops
+            self.bias_tokens[row.index, :n] = ops.from_host(np.asarray(tokens, np.int32), "i32")
+            self.bias_values[row.index, :n] = ops.from_host(np.asarray(biases, np.float32), "f32")
+
     def _init_penalty_row(self, row: _Row, new: Any) -> None:
         """Rebuild a row's prompt mask and output counts (device work on the current slot).
         Only admissions of requests with penalties come here; their small index uploads go through
@@ -454,6 +473,8 @@ class ModelRunner:
                                        buf.slot_mapping[0])
         qsl_h, lens_h, li_h = buf.query_start_loc[0], buf.seq_lens[0], buf.logits_indices[0]
         penalty_inits = []
+        bias_inits: list[tuple[_Row, tuple[int, ...], tuple[float, ...]]] = []
+        biased: list[int] = []
         sample_req: list[tuple[int, str]] = []
         logprobs_k = 0
         any_penalty = any_ban = False
@@ -485,6 +506,9 @@ class ModelRunner:
                 decode_only = False
                 if row.penalized:
                     penalty_inits.append((row, s.new))
+                if (entries := s.new.params.logit_entries()) is not None:
+                    row.num_biased, row.exclusive = len(entries[0]), entries[2]
+                    bias_inits.append((row, entries[0], entries[1]))
             else:
                 row = self.rows[s.request_id]
             n, p0, blocks = s.num_tokens, s.start_pos, s.block_ids
@@ -528,6 +552,8 @@ class ModelRunner:
                     banned = row.eos_ids[:MAX_BANNED]
                     ban_h[b, : len(banned)] = banned
                     any_ban = True
+                if row.num_biased or row.exclusive:
+                    biased += (b, row.index, row.num_biased, int(row.exclusive))
                 if row.guided:
                     masked.append(b)
                     mask_rids.append(s.request_id)
@@ -549,6 +575,9 @@ class ModelRunner:
         np.take(row_blocks[:, :mb], idx, axis=0, out=bt_h)
         for name, _ in _ROW_PARAM_FIELDS:
             np.take(self.row_params[name], idx, out=getattr(buf, name)[0][:nseq])
+        num_biased = len(biased) // 4
+        if num_biased:
+            buf.bias_sel[0][: len(biased)] = biased
         if before_launch is not None:
             before_launch()
         num_masks = len(masked)
@@ -563,7 +592,7 @@ class ModelRunner:
         # Guided rows keep the decode graph: their masks go between its forward and sampler parts.
         route, padded = "eager", 0
         if self.use_graphs:
-            if decode_only and not any_penalty and not any_ban and logprobs_k == 0 \
+            if decode_only and not any_penalty and not any_ban and not num_biased and logprobs_k == 0 \
                     and (padded := _padded(self.graph_sizes, nseq)):
                 route = "graph"
             elif self.pieces and (padded := _padded(self.piece_sizes, t)):
@@ -573,7 +602,8 @@ class ModelRunner:
             self.guided_routes[route] += 1
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
-                       route, padded, num_decodes, num_masks, tuple(mask_rids), deferred)
+                       route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
+                       deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased)
         self.step_id += 1
         future: concurrent.futures.Future | None = None
         if self.ops.name == "numpy":
@@ -652,6 +682,8 @@ class ModelRunner:
             else:
                 for row, new in st.penalty_inits:
                     self._init_penalty_row(row, new)
+                for row, tokens, biases in st.bias_inits:
+                    self._init_bias_row(row, tokens, biases)
                 if st.route == "pieces":
                     forward = self._replay_pieces(buf, st, self.pieces[(slot, st.padded)])
                 else:
@@ -671,7 +703,8 @@ class ModelRunner:
             self._apply_masks(buf, forward.logits, st.num_masks)
             forward.sample.replay()
         else:
-            self._sample(buf, forward, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks)
+            self._sample(buf, forward, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks,
+                         st.num_biased)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
                max_seq_len: int, num_decodes: int = 0) -> ForwardBatch:
@@ -702,9 +735,14 @@ class ModelRunner:
         )
 
     def _sample(self, buf: _SlotBuffers, logits: Any, nseq: int, logprobs_k: int, any_penalty: bool,
-                any_ban: bool, num_masks: int = 0) -> None:
+                any_ban: bool, num_masks: int = 0, num_biased: int = 0) -> None:
         ops = self.ops
         rows = buf.sample_rows[1][:nseq]
+        if num_biased:  # first, as vLLM's sampler: penalties and bans apply to the biased logits
+            sel = buf.bias_sel
+            ops.copy_h2d(sel[1][: 4 * num_biased], sel[0][: 4 * num_biased])
+            ops.bias_logits(logits, sel[1][: 4 * num_biased].reshape(num_biased, 4), self.bias_tokens,
+                            self.bias_values)
         if any_penalty:
             ops.penalize(logits, rows, self.out_counts, self.prompt_mask, buf.presence[1][:nseq],
                          buf.frequency[1][:nseq], buf.repetition[1][:nseq])

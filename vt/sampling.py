@@ -15,6 +15,10 @@ MAX_LOGPROBS = 20
 # Every stop string is searched for after every token, on the event loop: bound the work.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all stop strings together
+# logit_bias and allowed_token_ids together: the sampler keeps one row of this many (token, bias)
+# entries per running sequence on the device.
+MAX_LOGIT_ENTRIES = 4096
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
 
 
 class SamplingParamsError(ValueError):
@@ -65,6 +69,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # a grammar the output must follow
+    # Added to a token's logit before sampling (OpenAI's logit_bias); token id -> bias in
+    # [-100, 100]. A dict is accepted and kept as (id, bias) pairs sorted by id.
+    logit_bias: Any = None
+    allowed_token_ids: Any = None       # only these tokens may be sampled (vLLM's field)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -133,9 +141,17 @@ class SamplingParams:
             if not 0 <= lp <= MAX_LOGPROBS:
                 raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}")
 
+        set_("logit_bias", self._normalize_logit_bias(self.logit_bias))
+        set_("allowed_token_ids", self._normalize_allowed(self.allowed_token_ids))
+
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise SamplingParamsError("structured", f"structured must be a StructuredOutput, got "
                                                     f"{type(self.structured).__name__}")
+        if self.structured is not None and self.allowed_token_ids is not None:
+            # a grammar's mask and the allowed set may leave no token at all
+            raise SamplingParamsError("allowed_token_ids", "allowed_token_ids cannot be combined with "
+                                                           "structured outputs or tool_choice required / "
+                                                           "named; express the set in the grammar")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> tuple[str, ...]:
@@ -172,6 +188,70 @@ class SamplingParams:
                 raise SamplingParamsError(
                     "stop_token_ids", f"stop_token_ids must be integers >= 0, got {preview(i)}")
         return tuple(ids)
+
+    @staticmethod
+    def _normalize_logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
+        if bias is None:
+            return None
+        items = bias.items() if isinstance(bias, dict) else bias
+        if not isinstance(items, (list, tuple, type({}.items()))):
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias must map token ids to numbers, got {preview(bias)}")
+        out: dict[int, float] = {}
+        for entry in items:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise SamplingParamsError("logit_bias", f"logit_bias entries must be (token id, bias) "
+                                                        f"pairs, got {preview(entry)}")
+            tok, value = entry
+            if isinstance(tok, str):  # JSON object keys are strings
+                try:
+                    tok = int(tok)
+                except ValueError:
+                    pass  # refused just below, by its text
+            if not _is_int(tok) or tok < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers "
+                                                        f">= 0), got {preview(tok)}")
+            v = _check_float("logit_bias", value)
+            if not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got "
+                                                        f"{preview(value)} for token {tok}")
+            out[tok] = v
+        if len(out) > MAX_LOGIT_ENTRIES:
+            raise SamplingParamsError("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_ENTRIES} "
+                                                    f"tokens, got {len(out)}")
+        return tuple(sorted(out.items())) or None
+
+    @staticmethod
+    def _normalize_allowed(ids: Any) -> tuple[int, ...] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)):
+            raise SamplingParamsError(
+                "allowed_token_ids", f"allowed_token_ids must be a list of integers, got {preview(ids)}")
+        for i in ids:
+            if not _is_int(i) or i < 0:
+                raise SamplingParamsError(
+                    "allowed_token_ids", f"allowed_token_ids must be integers >= 0, got {preview(i)}")
+        unique = tuple(sorted(set(ids)))
+        if not unique:
+            raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty: no "
+                                                           "token could be sampled")
+        if len(unique) > MAX_LOGIT_ENTRIES:
+            raise SamplingParamsError("allowed_token_ids", f"allowed_token_ids may hold at most "
+                                                           f"{MAX_LOGIT_ENTRIES} tokens, got {len(unique)}")
+        return unique
+
+    def logit_entries(self) -> tuple[tuple[int, ...], tuple[float, ...], bool] | None:
+        """What the sampler adds to each logit: (token ids ascending, their biases, exclusive),
+        where exclusive means every token not listed is masked out (allowed_token_ids). None when
+        the request biases nothing."""
+        bias = dict(self.logit_bias or ())
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            return ids, tuple(bias.get(i, 0.0) for i in ids), True
+        if not bias:
+            return None
+        return tuple(bias), tuple(bias.values()), False
 
     @property
     def greedy(self) -> bool:

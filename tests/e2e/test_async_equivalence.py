@@ -1,5 +1,6 @@
 """Through the API, async scheduling on and off give the same tokens: 32 concurrent requests of
-mixed lengths, greedy and seeded, on a KV pool small enough that some of them are preempted."""
+mixed lengths, greedy and seeded, some with logit_bias or allowed_token_ids, on a KV pool small
+enough that some of them are preempted."""
 
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ def _requests() -> list[dict]:
     for i in range(N):
         body = {"prompt": rng.integers(3, 900, size=int(rng.integers(4, 60))).tolist(),
                 "max_tokens": int(rng.integers(8, 40)), "ignore_eos": True, "logprobs": 0,
-                "stream": bool(i % 2)}
+                "stream": bool(i % 2), "return_tokens_as_token_ids": True}
         if i % 3:
             body.update(temperature=0.9, top_p=0.95, seed=1000 + i)
         else:
             body["temperature"] = 0.0
+        if i % 4 == 1:  # the sampler's bias lines, written at (re)admission, under preemption too
+            body["allowed_token_ids"] = sorted(rng.choice(900, 20, replace=False).tolist())
+            body["logit_bias"] = {str(body["allowed_token_ids"][0]): 2.0}
+        elif i % 4 == 3:
+            body["logit_bias"] = {str(int(rng.integers(3, 900))): 100, "5": -100}
         out.append(body)
     return out
 
@@ -73,6 +79,20 @@ def test_async_on_and_off_stream_the_same_tokens(outputs) -> None:
     bodies = _requests()
     assert [len(t) for t in on] == [b["max_tokens"] for b in bodies]
     assert on == off
+
+
+def test_biased_requests_sample_what_their_bias_asks(outputs) -> None:
+    """allowed_token_ids bounds every sampled token; a +100 bias makes its token the only one
+    sampled (greedy or not: the other logits of a random model are within a few units)."""
+    bodies = _requests()
+    for body, tokens in zip(bodies, outputs["--async-scheduling"][0], strict=True):
+        ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        if "allowed_token_ids" in body:
+            assert set(ids) <= set(body["allowed_token_ids"]), (body, ids)
+        elif "logit_bias" in body:
+            forced = next(int(k) for k, v in body["logit_bias"].items() if v == 100)
+            assert set(ids) == {forced}, (body, ids)
+    assert sum("allowed_token_ids" in b for b in bodies) == 8
 
 
 def test_the_small_pool_preempted_and_nothing_leaked(outputs) -> None:

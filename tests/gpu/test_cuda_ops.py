@@ -624,6 +624,33 @@ def test_apply_token_bitmask_matches_numpy(cb, nb, rng, v):
     assert got[2] == 69
 
 
+@pytest.mark.parametrize("v", [1000, 151936])
+def test_bias_logits_matches_numpy(cb, nb, rng, v):
+    """logit_bias and allowed_token_ids: biased rows and exclusive rows (one with a single
+    allowed token), a row skipped (-1), ids at both ends of the vocabulary; sampling the result
+    then picks only allowed tokens, as numpy does."""
+    b, cap = 6, 64
+    logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    tokens = np.zeros((5, cap), np.int32)
+    biases = np.zeros((5, cap), np.float32)
+    lines = [np.sort(rng.choice(v, 40, replace=False)), np.array([0, 7, v - 1]), np.array([v - 1]),
+             np.sort(rng.choice(v, cap, replace=False)), np.array([3])]
+    for r, ids in enumerate(lines):
+        tokens[r, : len(ids)] = ids
+        biases[r, : len(ids)] = rng.uniform(-100, 100, len(ids))
+    sel = np.array([[4, 0, 40, 0], [1, 1, 3, 1], [-1, 2, 1, 1], [2, 2, 1, 1], [0, 3, cap, 0], [5, 4, 1, 1]],
+                   np.int32)
+    d = cb.from_host(logits, "f32")
+    cb.bias_logits(d, cb.from_host(sel, "i32"), cb.from_host(tokens, "i32"), cb.from_host(biases, "f32"))
+    ref = logits.copy()
+    nb.bias_logits(ref, sel, tokens, biases)
+    np.testing.assert_allclose(cb.to_host(d), ref, rtol=1e-6, atol=1e-5)
+    host = _rows(b, 1.0, 0, 1.0, 0.0, rng)
+    got = _sample_cuda(cb, ref, host)
+    np.testing.assert_array_equal(got, numpy_sampling.sample(ref, *host))
+    assert got[2] == v - 1 and got[5] == 3 and got[1] in (0, 7, v - 1)
+
+
 def test_log_softmax_topk(cb, nb, rng):
     b, v, k = 6, 5000, 7
     logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)

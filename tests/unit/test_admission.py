@@ -8,6 +8,7 @@ from vt.admission import F32_TINY, AdmissionLimits, check_params
 from vt.http.protocol import ProtocolError, get_int, parse_completion_request, parse_prompts
 from vt.preview import preview
 from vt.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
+from vt.structured.spec import GrammarSpec, StructuredOutput
 
 LIMITS = AdmissionLimits(vocab_size=1024, max_model_len=256, max_waiting=8, max_banned=16,
                          eos_token_ids=frozenset({1, 2}))
@@ -29,6 +30,11 @@ def nested(depth: int, leaf: object = 1) -> object:
     ({"n": 9}, "n"),
     ({"temperature": 1e39}, "temperature"),
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"logit_bias": {"1024": 1}}, "logit_bias"),
+    ({"allowed_token_ids": [5, 1024]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, 2, 7], "stop_token_ids": (7,), "min_tokens": 1}, "allowed_token_ids"),
+    ({"allowed_token_ids": [5], "structured": StructuredOutput(GrammarSpec("regex", "a+"))},
+     "allowed_token_ids"),
 ])
 def test_values_the_sampler_cannot_hold_are_refused_naming_the_field(fields: dict, param: str) -> None:
     with pytest.raises(SamplingParamsError) as e:
@@ -43,6 +49,9 @@ def test_values_within_the_sampler_pass() -> None:
     # ignore_eos frees the eos slots for stop ids
     many = SamplingParams(stop_token_ids=tuple(range(100, 116)), min_tokens=1, ignore_eos=True)
     check_params(many, LIMITS)
+    # an allowed set with a token beyond the held-back ones can always sample
+    check_params(SamplingParams(allowed_token_ids=[1, 2, 1023], min_tokens=1, logit_bias={"0": 5}), LIMITS)
+    check_params(SamplingParams(allowed_token_ids=[1, 2], min_tokens=1, ignore_eos=True), LIMITS)
 
 
 def test_meaning_preserving_normalisations() -> None:

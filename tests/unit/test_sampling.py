@@ -29,6 +29,11 @@ BAD = [
     ("repetition_penalty", 0.0), ("repetition_penalty", 2.5), ("repetition_penalty", -1),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 100.5}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {5: "1"}), ("logit_bias", [3]), ("logit_bias", "a"),
+    ("logit_bias", {i: 1 for i in range(4097)}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [1, -1]), ("allowed_token_ids", ["1"]),
+    ("allowed_token_ids", 3), ("allowed_token_ids", list(range(4097))),
 ]
 
 
@@ -60,6 +65,39 @@ def test_defaults_and_normalisation():
     assert SamplingParams(temperature=1e-6).greedy
     with pytest.raises(AttributeError):
         q.temperature = 1.0  # frozen
+
+
+def test_logit_entries_merge_bias_into_the_allowed_set():
+    """JSON keys are strings: they become ids, sorted; allowed_token_ids makes the line exclusive
+    and keeps only the biases of allowed ids (a bias on a masked token cannot matter)."""
+    p = SamplingParams(logit_bias={"9": -2.5, "3": 100, 7: 0.5})
+    assert p.logit_bias == ((3, 100.0), (7, 0.5), (9, -2.5))
+    assert p.logit_entries() == ((3, 7, 9), (100.0, 0.5, -2.5), False)
+    q = SamplingParams(allowed_token_ids=[9, 2, 9, 5], logit_bias={"5": 1, "4": 50})
+    assert q.allowed_token_ids == (2, 5, 9)
+    assert q.logit_entries() == ((2, 5, 9), (0.0, 1.0, 0.0), True)
+    assert SamplingParams().logit_entries() is None
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={"3": 1}) == SamplingParams(logit_bias=[(3, 1.0)])
+
+
+def test_bias_logits_adds_biases_and_masks_what_is_not_allowed():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 50)).astype(np.float32)
+    tokens = np.zeros((3, 8), np.int32)
+    biases = np.zeros((3, 8), np.float32)
+    tokens[0, :2], biases[0, :2] = [4, 49], [10.0, -3.0]
+    tokens[1, :3], biases[1, :3] = [1, 2, 30], [0.0, 5.0, 0.0]
+    sel = np.array([[3, 0, 2, 0], [0, 1, 3, 1], [-1, 0, 2, 1]], np.int32)
+    out = logits.copy()
+    ns.bias_logits(out, sel, tokens, biases)
+    expect = logits.copy()
+    expect[3, 4] += 10.0
+    expect[3, 49] -= 3.0
+    expect[0] = -np.inf
+    expect[0, [1, 2, 30]] = logits[0, [1, 2, 30]] + [0.0, 5.0, 0.0]
+    np.testing.assert_array_equal(out, expect)
+    assert _support(out[0], draws=300)[0] <= {1, 2, 30}
 
 
 # ---- sampler helpers -----------------------------------------------------------------------

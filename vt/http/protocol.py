@@ -130,6 +130,15 @@ def _get_token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _get_logit_bias(body: dict[str, Any]) -> dict[Any, Any] | None:
+    v = body.get("logit_bias")
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise ProtocolError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    return v
+
+
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     opts = body.get("stream_options")
     if opts is None:
@@ -163,6 +172,8 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
             logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            logit_bias=_get_logit_bias(body),
+            allowed_token_ids=body.get("allowed_token_ids"),
         )
     except SamplingParamsError as e:
         raise ProtocolError(str(e), rename.get(e.param, e.param)) from None
@@ -173,10 +184,8 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
 # for when it is present and not null, false or empty. Structured outputs and tools are read by
 # vt.http.structured_fields and vt.http.tool_calls.
 _UNSUPPORTED_BOTH = {
-    "logit_bias": "'logit_bias' is not supported",
     "prompt_logprobs": "'prompt_logprobs' is not supported",
     "use_beam_search": "beam search is not supported",
-    "allowed_token_ids": "'allowed_token_ids' is not supported",
     "bad_words": "'bad_words' is not supported",
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}

@@ -48,15 +48,16 @@ class PrefillTiling(NamedTuple):
         return [self.kernel.format(d=d) for d in self.head_dims]
 
 
-# r64: four warps of 16 rows (the default, measured on the H200). w8: eight warps of 16 rows,
-# half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
+# r64: four warps of 16 rows (mma.sync; every GPU, head dims 64 and 128). w8: eight warps of 16
+# rows, half the K/V traffic a row. m2: four warps of two 16-row m-tiles, half the K/V traffic and
 # half the fragment loads a product, two blocks an SM. wg, wg3: two or three warpgroups of 64
 # rows on wgmma (attention_wg.cu, sm_90 only), one block an SM; wgp: wg with each tile's P V
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
-# transpose (the one operand layout not proven on the device). Every tiling but r64 is built and
-# checked (tests/cuda_sim, tests/gpu) but not yet timed; VT_PREFILL_TILING picks one for a
-# benchmark. The shared memory follows each entry's template arguments in attention_tc.cu /
-# attention_wg.cu (stages, staged Q rows, buffers, V read directly).
+# transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
+# (bench/attn_tilings.py, bench/RESULTS.md): wgv is the fastest on every case, 1.4-1.8x r64, and
+# the default; a GPU without sm_90 (or a head dim wgv lacks) runs r64. VT_PREFILL_TILING picks
+# one for a benchmark. The shared memory follows each entry's template arguments in
+# attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read directly).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES)),
     "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256,
@@ -68,9 +69,9 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256,
                          lambda d: wg_smem(2, 3, 2, v_direct=True), True),
 }
-DEFAULT_PREFILL_TILING = "r64"
-# The tiling with a kernel for every tensor-core head dim on every GPU, proven on the H200: a head
-# dim (or a device) another tiling lacks runs on it, and benchmarks compare against it.
+DEFAULT_PREFILL_TILING = "wgv"
+# The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
+# another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
 
 

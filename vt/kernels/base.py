@@ -178,6 +178,12 @@ class Backend(Protocol):
     def record_sampled(self, last_tokens: Array, out_counts: Array, rows: Array, ids: Array) -> None:
         """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 (rows[b] >= 0)."""
 
+    def bias_logits(self, logits: Array, sel: Array, tokens: Array, biases: Array) -> None:
+        """In place, logit_bias and allowed_token_ids. For each m (sel i32[M, 4] = batch row b,
+        table row r, count n, exclusive e): the n ids tokens[r, :n] (i32[R, C], ascending, in
+        [0, V)) get biases[r, :n] (f32[R, C]) added to their logits in row b; where e != 0 every
+        other token of row b becomes -inf. Rows with b < 0 or b >= B are skipped."""
+
     def apply_token_bitmask(self, logits: Array, bitmask: Array, rows: Array) -> None:
         """In place, structured outputs' mask: for m with rows[m] >= 0 (rows i32[M]), token t of
         batch row rows[m] keeps its logit if bit t % 32 of bitmask[m, t // 32] is set (bitmask

@@ -196,6 +196,7 @@ class CudaBackend:
                 "penalize_k",
                 "ban_tokens_k",
                 "apply_token_bitmask_k",
+                "bias_logits_k",
                 "record_sampled_k",
                 "sample_k",
                 "sample_combine_k",
@@ -749,6 +750,19 @@ class CudaBackend:
         b, v = self._logits_ok(logits)
         if b and ban.shape[1]:
             self._launch("ban_tokens_k", (b,), (128,), (logits, ban, _i32(ban.shape[1]), _i32(v)))
+
+    def bias_logits(self, logits: cupy.ndarray, sel: cupy.ndarray, tokens: cupy.ndarray,
+                    biases: cupy.ndarray) -> None:
+        b, v = self._logits_ok(logits)
+        m = sel.shape[0]
+        if sel.dtype != np.int32 or sel.ndim != 2 or sel.shape[1] != 4 or not sel.flags.c_contiguous:
+            raise ValueError(f"sel must be C-contiguous i32[{m}, 4], got {sel.dtype}{sel.shape}")
+        if tokens.shape != biases.shape or tokens.dtype != np.int32 or biases.dtype != np.float32:
+            raise ValueError(f"tokens i32[R, C] and biases f32[R, C] must match, got "
+                             f"{tokens.dtype}{tokens.shape} and {biases.dtype}{biases.shape}")
+        if m and b:
+            self._launch("bias_logits_k", (-(-v // 256), m), (256,),
+                         (logits, sel, tokens, biases, _i32(tokens.shape[1]), _i32(b), _i32(v)))
 
     def apply_token_bitmask(self, logits: cupy.ndarray, bitmask: cupy.ndarray, rows: cupy.ndarray) -> None:
         b, v = self._logits_ok(logits)

@@ -260,6 +260,12 @@ class NumpyBackend:
 
         numpy_sampling.record_sampled(last_tokens, out_counts, rows, ids)
 
+    def bias_logits(self, logits: np.ndarray, sel: np.ndarray, tokens: np.ndarray,
+                    biases: np.ndarray) -> None:
+        from vt.kernels import numpy_sampling
+
+        numpy_sampling.bias_logits(logits, sel, tokens, biases)
+
     def apply_token_bitmask(self, logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
         from vt.kernels import numpy_sampling
 

@@ -161,6 +161,19 @@ def ban_tokens(logits: np.ndarray, ban: np.ndarray) -> None:
     logits[b_idx, ban[b_idx, j_idx]] = -np.inf
 
 
+def bias_logits(logits: np.ndarray, sel: np.ndarray, tokens: np.ndarray, biases: np.ndarray) -> None:
+    """In place: for each (b, r, n, e) in sel, logits[b, tokens[r, :n]] += biases[r, :n]; with
+    e != 0 every token of row b not in tokens[r, :n] becomes -inf (see Backend.bias_logits)."""
+    for b, r, n, e in np.asarray(sel).tolist():
+        if not 0 <= b < logits.shape[0]:
+            continue
+        toks = np.asarray(tokens[r, :n], dtype=np.intp)
+        kept = logits[b, toks] + np.asarray(biases[r, :n], dtype=np.float32)
+        if e:
+            logits[b] = -np.inf
+        logits[b, toks] = kept
+
+
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
     """In place: for every m with rows[m] >= 0, logits[rows[m], t] = -inf where bit t % 32 of word
     bitmask[m, t // 32] is 0 (tokens past 32 * W count as cleared). bitmask i32[M, W] holds

@@ -245,6 +245,29 @@ extern "C" __global__ void apply_token_bitmask_k(float* __restrict__ logits, con
     if (!((word >> (t & 31)) & 1u)) logits[(size_t)b * vocab + t] = -VT_INF;
 }
 
+// logit_bias and allowed_token_ids. sel[m] = (batch row b, table row r, count n, exclusive e):
+// the n ascending ids tokens[r, :n] get biases[r, :n] added in row b, and with e != 0 every
+// other token of row b becomes -inf. One thread per (sel row, token): a binary search finds
+// the token among the row's ids, so a thread reads its own logit only.
+extern "C" __global__ void bias_logits_k(float* __restrict__ logits, const int* __restrict__ sel,
+                                         const int* __restrict__ tokens, const float* __restrict__ biases,
+                                         int cap, int batch, int vocab) {
+    const int m = blockIdx.y;
+    const int b = sel[4 * m], r = sel[4 * m + 1], exclusive = sel[4 * m + 3];
+    const int n = max(0, min(sel[4 * m + 2], cap));
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < 0 || b >= batch || t >= vocab) return;
+    const int* ids = tokens + (size_t)r * cap;
+    int lo = 0, hi = n;  // first index with ids[i] >= t
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (ids[mid] < t) lo = mid + 1; else hi = mid;
+    }
+    float* x = logits + (size_t)b * vocab + t;
+    if (lo < n && ids[lo] == t) *x += biases[(size_t)r * cap + lo];
+    else if (exclusive) *x = -VT_INF;
+}
+
 // last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1.
 extern "C" __global__ void record_sampled_k(int* __restrict__ last_tokens, int* __restrict__ out_counts,
                                             const int* __restrict__ rows, const int* __restrict__ ids, int n,

@@ -38,8 +38,11 @@ from vt.structured.spec import GrammarError, GrammarSpec, StructuredOutput
 log = logging.getLogger("vt.structured")
 CACHE_SIZE = 512          # compiled grammars (and compile errors) kept
 COMPILE_THREADS = 2
-# llguidance's executor for a step's masks: its threads work while the event loop waits
-MASK_THREADS = max(1, min(4, os.cpu_count() or 1))
+# llguidance's executor for a step's masks: its threads work while the event loop waits. Half
+# the cores up to 8 (at least min(4, cores)): on a 16-core GPU host 8 threads fill 128 masks of a
+# 152k vocabulary in 4.4 ms where 4 take 6.8 (bench/RESULTS.md).
+_CPUS = os.cpu_count() or 1
+MASK_THREADS = max(1, min(8, max(min(4, _CPUS), _CPUS // 2)))
 
 
 # JSON schema keywords whose values are schemas, maps of schemas or lists of schemas.
