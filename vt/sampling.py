@@ -49,6 +49,15 @@ def _check_float(name: str, v: Any) -> float:
     return f
 
 
+def _token_id_list(name: str, ids: Any) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise SamplingParamsError(name, f"{name} must be a list of integers, got {preview(ids)}")
+    for i in ids:
+        if not _is_int(i) or i < 0:
+            raise SamplingParamsError(name, f"{name} must be integers >= 0, got {preview(i)}")
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -178,16 +187,7 @@ class SamplingParams:
 
     @staticmethod
     def _normalize_stop_ids(ids: Any) -> tuple[int, ...]:
-        if ids is None:
-            return ()
-        if not isinstance(ids, (list, tuple)):
-            raise SamplingParamsError(
-                "stop_token_ids", f"stop_token_ids must be a list of integers, got {preview(ids)}")
-        for i in ids:
-            if not _is_int(i) or i < 0:
-                raise SamplingParamsError(
-                    "stop_token_ids", f"stop_token_ids must be integers >= 0, got {preview(i)}")
-        return tuple(ids)
+        return () if ids is None else _token_id_list("stop_token_ids", ids)
 
     @staticmethod
     def _normalize_logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
@@ -225,14 +225,7 @@ class SamplingParams:
     def _normalize_allowed(ids: Any) -> tuple[int, ...] | None:
         if ids is None:
             return None
-        if not isinstance(ids, (list, tuple)):
-            raise SamplingParamsError(
-                "allowed_token_ids", f"allowed_token_ids must be a list of integers, got {preview(ids)}")
-        for i in ids:
-            if not _is_int(i) or i < 0:
-                raise SamplingParamsError(
-                    "allowed_token_ids", f"allowed_token_ids must be integers >= 0, got {preview(i)}")
-        unique = tuple(sorted(set(ids)))
+        unique = tuple(sorted(set(_token_id_list("allowed_token_ids", ids))))
         if not unique:
             raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty: no "
                                                            "token could be sampled")
