@@ -196,18 +196,21 @@ def test_collectives_sum_and_gather_in_rank_order() -> None:
 
 
 def _workload() -> tuple[list[list[int]], list[SamplingParams], list[int]]:
-    """Greedy, seeded, penalized, logprobs and min_tokens requests, two sharing a prefix."""
+    """Greedy, seeded, penalized, logprobs, min_tokens, logit_bias and allowed_token_ids
+    requests, two sharing a prefix."""
     rng = np.random.default_rng(5)
     shared = rng.integers(3, 900, size=40).tolist()
     ps = [rng.integers(3, 900, size=n).tolist() for n in (9, 23, 57, 31)] + [shared + [5], shared + [6, 7]]
     params = [
         SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True,
+                       logit_bias={"17": 3.0, "40": -5.0}),
         SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=3, presence_penalty=0.5,
                        frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.0, min_tokens=4),
-        SamplingParams(max_tokens=24, temperature=1.0, min_p=0.05, seed=8, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, min_p=0.05, seed=8, ignore_eos=True,
+                       allowed_token_ids=list(range(100, 160))),
     ]
     return ps, params, [2, 0, 1, 0, 2, 1]
 
@@ -237,3 +240,4 @@ def test_served_outputs_equal_one_rank(tiny: Path, size: int, policy: str, async
     assert want_preempted > 0 and preempted == want_preempted
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason, f"request {i}"
+    assert set(got[5].token_ids) <= set(range(100, 160))

@@ -36,6 +36,7 @@ _PER_RANK = frozenset({
     "embed", "rms_norm", "head_rms_norm", "linear", "gemm_layout", "fold_norm_weight", "rope",
     "write_kv", "qk_norm_rope_write_kv", "attention", "silu_mul", "gather_rows", "fill_from_last",
     "log_softmax_topk", "penalize", "ban_tokens", "sample", "record_sampled", "apply_token_bitmask",
+    "bias_logits",
     "arena_reserve",
     "after", "record", "wait",
 })
