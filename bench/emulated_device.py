@@ -8,8 +8,8 @@ of vt (numpy backend, one step worker) in which a step's device part does no ari
 takes `--step-ms` plus `--token-us` per token of the step on a clock of its own (sleeping,
 which leaves the host's cores free, as a GPU does), then writes token ids. A guided row's token
 is one its staged bitmask allows, so structured outputs run their real grammar work: the masks
-are filled, the sampler of a step whose masks wait for the previous step's tokens is held back
-and launched later (`ModelRunner.sample_deferred`), exactly as on CUDA. What remains to measure
+are filled, and a step's guided rows are sampled by its second sampler pass once they are
+(`ModelRunner.sample_deferred`), exactly as on CUDA. What remains to measure
 is the event loop's and the grammar threads' work against a device that never waits for the
 host, which is what decides whether guided rows cost the free rows of their batch anything.
 
@@ -96,12 +96,11 @@ def install(step_ms: float, token_us: float) -> None:
         self.emulated_clock = DeviceClock()
         self.worker = LaunchingExecutor(self.worker, self.emulated_clock)
 
-    def sample(rn: runner.ModelRunner, st: Any) -> None:
+    def sample(rn: runner.ModelRunner, st: Any, out: np.ndarray, masked: bool) -> None:
         buf = rn.slots[st.slot]
         nseq = st.nseq
-        out = buf.out_ids[:nseq]
-        out[:] = (np.arange(nseq) * 7 + rn.step_id * 13) % FREE_IDS + 5
-        if st.num_masks:
+        out[:nseq] = (np.arange(nseq) * 7 + rn.step_id * 13) % FREE_IDS + 5
+        if masked and st.num_masks:
             masks = buf.bitmask[0][: st.num_masks * rn.mask_words].reshape(st.num_masks, rn.mask_words)
             for i, b in enumerate(buf.mask_rows[0][: st.num_masks]):
                 tok = allowed_token(masks[i], rn.step_id * 31 + int(b) * 17)
@@ -110,16 +109,15 @@ def install(step_ms: float, token_us: float) -> None:
 
     def device_step(self: runner.ModelRunner, st: Any) -> None:
         self.emulated_clock.run((step_ms * 1e3 + token_us * st.ntok) / 1e6)
-        if st.deferred:  # sample_deferred() brings the masks; its job samples then
-            return
-        sample(self, st)
+        # a deferred step's first pass: its guided rows come from the second (sample_deferred)
+        sample(self, st, self.slots[st.slot].out_ids, not st.deferred)
 
     def resume_sample(self: runner.ModelRunner, job: tuple[Any, Any]) -> None:
         st, forward = job
         if forward is not None:
             forward.result()
         self.emulated_clock.run(0.0)  # the sampler's own time is in the step's
-        sample(self, st)
+        sample(self, st, self.slots[st.slot].late_ids, True)
 
     runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner._device_step = device_step

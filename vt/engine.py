@@ -7,13 +7,13 @@ scheduler (append_token returns None), never streamed, never counted. Depth 1 wa
 before scheduling the next; both produce the same tokens for greedy and seeded requests.
 
 Structured outputs keep that promise: a guided request's mask for step N+1 needs the token step
-N samples. When N+1 is launched before N's tokens are here, the runner runs N+1's forward and
-holds its sampler back; as soon as N is processed (its tokens advanced every guide), the engine
-hands N+1 its masks and the sampler runs. The masks are the ones depth 1 would compute, the
-forward still overlaps the host's work, and the other rows of the batch sample in the same
-launch (docs/structured_outputs.md). Processing N advances the guides first; the masks are then
-filled on a grammar thread while the loop detokenizes N's tokens and schedules and stages N+2,
-and N+1's sampler is launched just before N+2's device work (runner.execute's before_launch).
+N samples. At depth 2 a step with guided rows samples in two passes: the first, launched with
+the forward, samples every other row, so the next step can launch behind it; the masks fill on a
+grammar thread (as soon as every guide has seen its request's last token: at launch, or once N
+is processed) and the second pass samples the guided rows with them. A guided request whose
+second pass is not launched when the next step is scheduled sits that step out (the scheduler's
+`hold`), so no row ever waits for a mask but its own, and the masks are the ones depth 1 would
+compute (docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -223,8 +223,9 @@ class AsyncEngine:
                                       kv_tokens=self.runner.num_blocks * config.block_size,
                                       priority_scheduling=config.scheduling_policy == "priority")
         self._suspect: BaseException | None = None  # a step failed: a probe step tells whose fault
-        # the next step's masks, being filled while a step is processed (never held across an await)
-        self._masks: tuple[StepHandle, concurrent.futures.Future] | None = None
+        # masks being filled on the grammar thread, by the step id of the in-flight step they are for
+        self._masks: dict[int, concurrent.futures.Future] = {}
+        self.held_total = 0  # guided requests that sat a step out waiting for their masks
         self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
                                         self.eos_token_ids)
         self.kv_publisher = None
@@ -257,10 +258,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._inflight:
-            self._sample_deferred()  # joins masks a crashed loop may have left filling
         for h in self._inflight:
-            self.runner.sample_deferred(h, self._fill_masks)
+            self._launch_masked(h)  # joins masks a crashed loop may have left filling
             try:
                 await h.wait()
             except Exception:
@@ -387,27 +386,44 @@ class AsyncEngine:
         return [s.guide if (s := states.get(rid)) is not None and rid not in unguided else None
                 for rid in request_ids]
 
-    def _start_masks(self, rejected: set[str]) -> None:
-        """Every guide has seen the step just taken: start filling the masks of the next step, if
-        it waits for them, on a grammar thread while the loop processes the rest (a guide that
-        rejected its token gets every token: that request ends and its token is dropped)."""
-        h = self._inflight[0] if self._inflight else None
-        if h is None or not h.awaiting_masks:
-            return
+    def _start_masks(self, h: StepHandle, rejected: Container[str] = ()) -> None:
+        """Start filling the masks of an in-flight step on the grammar thread; every guide of its
+        guided rows has seen its request's last token (a guide that rejected its token gets every
+        token: that request ends and its token is dropped)."""
         rids, out = self.runner.deferred_masks(h)
-        self._masks = (h, self.grammars.fill_masks_async(self._guides(rids, rejected), out))
+        self._masks[h.step_id] = self.grammars.fill_masks_async(self._guides(rids, rejected), out)
 
-    def _sample_deferred(self) -> None:
-        """The step after the one just processed may wait for its masks: they can be computed
-        now, since every guide has seen the processed step's tokens (or were started then)."""
-        if not (self._inflight and self._inflight[0].awaiting_masks):
+    def _masks_after(self, rejected: set[str]) -> None:
+        """A step was just processed: the steps waiting for it to fill their masks start now."""
+        for h in self._inflight:
+            if h.awaiting_masks and h.step_id not in self._masks:
+                self._start_masks(h, rejected)
+
+    def _launch_masked(self, h: StepHandle) -> None:
+        """Launch a step's second sampler pass with its masks, waiting for them if they are still
+        filling (filling them here if they never started)."""
+        if not h.awaiting_masks:
             return
-        h, started = self._inflight[0], self._masks
-        self._masks = None
-        if started is not None and started[0] is h:
-            self.runner.sample_deferred(h, lambda _rids, _out: started[1].result())
-        else:
+        job = self._masks.pop(h.step_id, None)
+        if job is None:
             self.runner.sample_deferred(h, self._fill_masks)
+        else:
+            self.runner.sample_deferred(h, lambda _rids, _out: job.result())
+
+    def _launch_ready_masks(self) -> frozenset[str]:
+        """Launch the second pass of every in-flight step whose masks are filled; the requests of
+        the others sit the next step out (their tokens are not on the device yet)."""
+        hold: set[str] = set()
+        for h in self._inflight:
+            if not h.awaiting_masks:
+                continue
+            job = self._masks.get(h.step_id)
+            if job is not None and job.done():
+                self._launch_masked(h)
+            else:
+                hold.update(h.late_request_ids)
+        self.held_total += len(hold)
+        return frozenset(hold)
 
     # ---- the scheduler coroutine -------------------------------------------------------------
     async def _run(self) -> None:
@@ -443,7 +459,7 @@ class AsyncEngine:
                 await self._probe()
                 continue
             if len(inflight) < self.depth and self._dead is None and self._suspect is None:
-                batch = self.scheduler.schedule()
+                batch = self.scheduler.schedule(hold=self._launch_ready_masks())
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
                     for s in batch.seqs:
@@ -457,15 +473,18 @@ class AsyncEngine:
                         # waiting: the gap async scheduling exists to close.
                         self._stats.gpu_idle_seconds_total += max(0.0, now - self._last_done)
                     try:
-                        # A step waiting for its masks gets its sampler launched once this one
-                        # is staged: its masks fill meanwhile (and there is no await in between)
-                        h = self.runner.execute(batch, self._eos_for, self._fill_masks, self._sample_deferred)
+                        # At depth 2 guided rows sample in a second pass, once their masks are
+                        # filled on the grammar thread.
+                        h = self.runner.execute(batch, self._eos_for, self._fill_masks,
+                                                defer_masks=self.depth > 1)
                     except Exception as exc:  # staging failed: fail this batch's requests
                         log.exception("step launch failed")
                         # On CUDA the launch runs the device work inline: its errors count too.
                         self._step_failed([s.request_id for s in batch.seqs], exc)
                         continue
                     inflight.append(h)
+                    if h.awaiting_masks and not h.masks_need_previous:
+                        self._start_masks(h)  # its guides have seen every token already
                     # Every sequence of the step, not only the sampling ones: a failed prefill chunk
                     # leaves its KV unwritten, so its request cannot go on either.
                     self._step_rids[h.step_id] = [s.request_id for s in batch.seqs]
@@ -476,15 +495,15 @@ class AsyncEngine:
                     for rid in batch.released:
                         self.runner.release(rid)
             if inflight and (not launched or len(inflight) >= self.depth):
-                self._sample_deferred()  # no step launched after the last processing: join now
                 h = inflight.popleft()
+                self._launch_masked(h)  # its masks are filled by now, or this waits for them
                 step_rids = self._step_rids.pop(h.step_id, [])
                 try:
                     out = await h.wait()
                 except Exception as exc:
                     log.exception("step %d failed", h.step_id)
                     self._step_failed(step_rids, exc)
-                    self._sample_deferred()
+                    self._masks_after(set())
                     continue
                 self._consecutive_failures = 0
                 # Device time of this step: from when it could start (its launch, or the previous
@@ -497,8 +516,8 @@ class AsyncEngine:
                 if self.record_events:
                     self.events.append(StepEvent("done", h.step_id))
                 self._process(out)
-                # The next step's masks now fill on the mask thread; its sampler is launched
-                # from the next launch's before_launch, or before the next wait.
+                # The next step's masks now fill on the mask thread; its second pass is launched
+                # before the next schedule if they are done, else before it is waited for.
                 self._busy_after_done = self.scheduler.has_unfinished()
                 continue
             if not launched:
@@ -585,7 +604,7 @@ class AsyncEngine:
                     rejected[tok.request_id] = why
                 elif guide.finished:
                     grammar_done.add(tok.request_id)
-        self._start_masks(set(rejected))
+        self._masks_after(set(rejected))
         for tok, req, state in taken:
             token_id = tok.token_id
             stats.generation_tokens_total += 1

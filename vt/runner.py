@@ -108,6 +108,10 @@ class _SlotBuffers:
         self.logits_indices = pair((max_seqs,), i32, "i32")
         self.block_tables = pair((max_seqs * max_blocks,), i32, "i32")
         self.sample_rows = pair((max_seqs,), i32, "i32")
+        # The sampler rows whose tokens the step's sampler records: sample_rows, less the guided
+        # rows of a step that samples them later (late_rows, recorded by its second sampler pass).
+        self.record_rows = pair((max_seqs,), i32, "i32")
+        self.late_rows = pair((max_seqs,), i32, "i32")
         self.temperature = pair((max_seqs,), f32, "f32")
         self.top_k = pair((max_seqs,), i32, "i32")
         self.top_p = pair((max_seqs,), f32, "f32")
@@ -128,14 +132,20 @@ class _SlotBuffers:
         self.out_logprob = ops.pinned_empty((max_seqs,), f32)
         self.out_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
         self.out_top_lp = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), f32)
+        # the second pass's outputs (its guided rows'), beside the first's
+        self.late_ids = ops.pinned_empty((max_seqs,), i32)
+        self.late_logprob = ops.pinned_empty((max_seqs,), f32)
+        self.late_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
+        self.late_top_lp = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), f32)
 
 
 class StepHandle:
     """A launched step. `wait()` (async) or `result()` (blocking) gives its StepOutput.
 
-    A step whose guided rows' masks depend on tokens still in flight is launched without its
-    sampler (`awaiting_masks`): `ModelRunner.sample_deferred` gives it the masks and launches
-    the sampler, and only then may it be waited for."""
+    A step whose guided rows sample after their masks (`awaiting_masks`) is launched with its
+    first sampler pass, which samples and records every other row, so that the next step can
+    launch behind it; `ModelRunner.sample_deferred` gives it the masks and launches the second
+    pass, which samples the guided rows, and only then may it be waited for."""
 
     def __init__(self, runner: ModelRunner, step_id: int, slot: int, plan: _Plan,
                  future: concurrent.futures.Future | None, launch_time: float,
@@ -148,6 +158,17 @@ class StepHandle:
     @property
     def awaiting_masks(self) -> bool:
         return self.deferred is not None
+
+    @property
+    def masks_need_previous(self) -> bool:
+        """Its masks need the step before it processed: a guided row's input is that step's
+        token, which its guide has not seen yet."""
+        return self.deferred is not None and self.deferred.masks_need_previous
+
+    @property
+    def late_request_ids(self) -> tuple[str, ...]:
+        """The requests whose tokens the second pass samples; () once it is launched."""
+        return self.deferred.mask_rids if self.deferred is not None else ()
 
     def _check_sampled(self) -> concurrent.futures.Future:
         if self.deferred is not None or self.future is None:
@@ -203,6 +224,7 @@ class _Plan:
 
     sample_req: list[tuple[int, str]]   # (batch row, request id) of sampling sequences
     logprobs_k: int
+    late: frozenset[int] = frozenset()  # batch rows sampled by the second pass (guided, deferred)
 
 
 @dataclass(frozen=True)
@@ -227,6 +249,8 @@ class _Launch:
     deferred: bool = False               # masks come after the previous step: sample later
     bias_inits: tuple = ()               # (row, tokens, biases) of admissions that bias logits
     num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
+    late_owners: tuple = ()              # (batch row, request id, _Row) the second pass records
+    masks_need_previous: bool = False    # a guided row's input is the previous step's token
 
 
 class ModelRunner:
@@ -444,17 +468,19 @@ class ModelRunner:
 
     # ---- a step -----------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch, eos_for: Any, fill_masks: MaskFiller | None = None,
-                before_launch: Callable[[], None] | None = None) -> StepHandle:
+                before_launch: Callable[[], None] | None = None, defer_masks: bool = False) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
         token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows;
         before_launch runs once the step is staged on the host, before any of its masks is
-        filled and before its device work is launched (the engine launches the sampler of the
-        step before this one there, whose masks were being filled meanwhile).
+        filled and before its device work is launched.
 
         A guided row whose input is the previous step's token (from_last) cannot have its mask
-        yet: the grammar must first see that token. Such a step runs its forward now and parks
-        the logits; its sampler is launched by sample_deferred() once the engine has processed
-        the previous step, so the masks (and the tokens) are exactly those of depth 1."""
+        yet: the grammar must first see that token. Such a step (and, with defer_masks, any step
+        with guided rows, whose masks then fill off the caller's thread) samples in two passes:
+        the first, launched now behind the forward, samples and records every other row; the
+        logits stay parked for the second, which sample_deferred() launches with the masks and
+        which samples and records the guided rows. The masks (and the tokens) are exactly those
+        of depth 1, and the rows that need no mask never wait for one."""
         launch_time = time.monotonic()
         for rid in batch.released:
             self.release(rid)
@@ -498,7 +524,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         masked: list[int] = []
         mask_rids: list[str] = []
-        deferred = False
+        mask_owners: list[tuple[int, str, _Row]] = []
+        from_last_guided = False
         t = 0
         for b, s in enumerate(seqs):
             if s.new is not None:
@@ -557,7 +584,8 @@ class ModelRunner:
                 if row.guided:
                     masked.append(b)
                     mask_rids.append(s.request_id)
-                    deferred |= s.from_last
+                    mask_owners.append((b, s.request_id, row))
+                    from_last_guided |= s.from_last
             else:
                 sample_rows.append(-1)
         ids_h[:t] = ids
@@ -571,6 +599,15 @@ class ModelRunner:
         li_h[:nseq] -= 1
         buf.offsets[0][:nseq] = offsets
         buf.sample_rows[0][:nseq] = sample_rows
+        num_masks = len(masked)
+        deferred = num_masks > 0 and (defer_masks or from_last_guided)
+        record_h = buf.record_rows[0]
+        record_h[:nseq] = sample_rows
+        if deferred:  # the guided rows are recorded by the second pass only
+            late_h = buf.late_rows[0]
+            late_h[:nseq] = -1
+            late_h[masked] = record_h[masked]
+            record_h[masked] = -1
         idx = np.asarray(row_idx, dtype=np.intp)
         np.take(row_blocks[:, :mb], idx, axis=0, out=bt_h)
         for name, _ in _ROW_PARAM_FIELDS:
@@ -580,14 +617,13 @@ class ModelRunner:
             buf.bias_sel[0][: len(biased)] = biased
         if before_launch is not None:
             before_launch()
-        num_masks = len(masked)
         if num_masks:
             if fill_masks is None:
                 raise ValueError("a guided request is in the step but no mask filler was given")
             buf.mask_rows[0][:num_masks] = masked
             if not deferred:
                 fill_masks(mask_rids, self._mask_view(buf, num_masks))
-        plan = _Plan(sample_req, logprobs_k)
+        plan = _Plan(sample_req, logprobs_k, frozenset(masked) if deferred else frozenset())
         # decode_only already excludes admissions, hence rows that need a penalty setup.
         # Guided rows keep the decode graph: their masks go between its forward and sampler parts.
         route, padded = "eager", 0
@@ -603,7 +639,9 @@ class ModelRunner:
         step = _Launch(slot, t, nseq, mb, penalty_inits, logprobs_k, any_penalty, any_ban,
                        max(s.num_tokens for s in seqs), max(s.start_pos + s.num_tokens for s in seqs),
                        route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
-                       deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased)
+                       deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased,
+                       late_owners=tuple(mask_owners) if deferred else (),
+                       masks_need_previous=from_last_guided)
         self.step_id += 1
         future: concurrent.futures.Future | None = None
         if self.ops.name == "numpy":
@@ -635,6 +673,12 @@ class ModelRunner:
         rids, masks = self.deferred_masks(h)
         h.deferred = None
         self.deferred_samples += 1
+        # A guided request that finished, or was preempted and admitted again, since the step was
+        # staged may have lost its sampler row to another request: its late token is not recorded.
+        late_h = self.slots[st.slot].late_rows[0]
+        for b, rid, row in st.late_owners:
+            if self.rows.get(rid) is not row:
+                late_h[b] = -1
         forward = h.future  # numpy: the forward's job; the sampler's job checks its outcome
         try:
             fill_masks(rids, masks)
@@ -656,8 +700,8 @@ class ModelRunner:
         ops = self.ops
         with ops.slot(st.slot):
             if mark is not None:
-                ops.arena_reserve(mark)  # the logits and the forward's outputs stay where they are
-            self._sample_forward(self.slots[st.slot], st, parked)
+                ops.arena_reserve(mark)  # the logits and the first pass's outputs stay where they are
+            self._sample_late(self.slots[st.slot], st, parked)
             ops.record(st.slot)
 
     @staticmethod
@@ -690,21 +734,42 @@ class ModelRunner:
                     fb = self._stage(buf, st.ntok, nseq, mb, st.max_query_len, st.max_seq_len,
                                      st.num_decodes)
                     forward = self.model.forward(fb, self.kv)
-            if st.deferred:  # sample_deferred() brings the masks and launches the sampler
-                self._parked[slot] = (forward, ops.arena_mark())
-                return
             self._sample_forward(buf, st, forward)
-            ops.record(slot)
+            ops.record(slot)  # the next step launches behind this (the first pass, if deferred)
+            if st.deferred:  # sample_deferred() brings the masks and launches the second pass
+                self._parked[slot] = (forward, ops.arena_mark())
 
     def _sample_forward(self, buf: _SlotBuffers, st: _Launch, forward: Any) -> None:
         """The sampler of a step whose forward ran: the decode graph's sampler part after the
-        masks, or the sampler on the logits."""
+        masks, or the sampler on the logits. A deferred step's masks come later: this pass
+        leaves its guided rows unrecorded (record_rows) for the second."""
+        masks = 0 if st.deferred else st.num_masks
         if isinstance(forward, _DecodeGraph):
-            self._apply_masks(buf, forward.logits, st.num_masks)
+            self._apply_masks(buf, forward.logits, masks)
             forward.sample.replay()
         else:
-            self._sample(buf, forward, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, st.num_masks,
+            self._sample(buf, forward, st.nseq, st.logprobs_k, st.any_penalty, st.any_ban, masks,
                          st.num_biased)
+
+    def _sample_late(self, buf: _SlotBuffers, st: _Launch, forward: Any) -> None:
+        """The second pass of a deferred step: its guided rows' masks on the logits the first pass
+        left (penalties, bans and biases are in them already), then the sampler again, recording
+        only the guided rows (late_rows) and writing to the late outputs. Every row is sampled,
+        as the per-row draws do not depend on the batch; the free rows' second draws are unused."""
+        ops, nseq = self.ops, st.nseq
+        logits = forward.logits[:nseq] if isinstance(forward, _DecodeGraph) else forward
+        self._apply_masks(buf, logits, st.num_masks)
+        ops.copy_h2d(buf.late_rows[1][:nseq], buf.late_rows[0][:nseq])
+        ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
+                         buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
+        ops.record_sampled(self.last_tokens, self.out_counts, buf.late_rows[1][:nseq], ids)
+        ops.copy_d2h(buf.late_ids[:nseq], ids)
+        k = st.logprobs_k
+        if k:
+            lp, top_ids, top_lp = ops.log_softmax_topk(logits, ids, k)
+            ops.copy_d2h(buf.late_logprob[:nseq], lp)
+            ops.copy_d2h(buf.late_top_ids[: nseq * k].reshape(nseq, k), top_ids)
+            ops.copy_d2h(buf.late_top_lp[: nseq * k].reshape(nseq, k), top_lp)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
                max_seq_len: int, num_decodes: int = 0) -> ForwardBatch:
@@ -718,7 +783,7 @@ class ModelRunner:
         src = up(buf.src_rows, ntok)
         ops.fill_from_last(ids, src, self.last_tokens)
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "offsets", "presence",
-                     "frequency", "repetition", "sample_rows"):
+                     "frequency", "repetition", "sample_rows", "record_rows"):
             up(getattr(buf, name), nseq)
         up(buf.ban, nseq * MAX_BANNED)
         return ForwardBatch(
@@ -751,7 +816,7 @@ class ModelRunner:
         self._apply_masks(buf, logits, num_masks)
         ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
                          buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
-        ops.record_sampled(self.last_tokens, self.out_counts, rows, ids)
+        ops.record_sampled(self.last_tokens, self.out_counts, buf.record_rows[1][:nseq], ids)
         ops.copy_d2h(buf.out_ids[:nseq], ids)
         if logprobs_k:
             lp, top_ids, top_lp = ops.log_softmax_topk(logits, ids, logprobs_k)
@@ -858,6 +923,7 @@ class ModelRunner:
         buf.query_start_loc[0][nseq + 1: size + 1] = np.arange(nseq + 1, size + 1, dtype=np.int32)
         buf.logits_indices[0][nseq:size] = np.arange(nseq, size, dtype=np.int32)
         buf.sample_rows[0][nseq:size] = -1
+        buf.record_rows[0][nseq:size] = -1
         buf.temperature[0][nseq:size] = 0.0
         buf.top_k[0][nseq:size] = 0
         buf.top_p[0][nseq:size] = 1.0
@@ -869,14 +935,16 @@ class ModelRunner:
     def _collect(self, h: StepHandle) -> StepOutput:
         buf = self.slots[h.slot]
         k = h.plan.logprobs_k
-        ids = buf.out_ids
+        late = h.plan.late
+        first = (buf.out_ids, buf.out_logprob, buf.out_top_ids, buf.out_top_lp)
+        second = (buf.late_ids, buf.late_logprob, buf.late_top_ids, buf.late_top_lp)
         out = []
         for b, rid in h.plan.sample_req:
+            ids, logprob, top_ids, top_lp = second if b in late else first
             if k:
-                top_ids = buf.out_top_ids[b * k:(b + 1) * k]
-                top_lp = buf.out_top_lp[b * k:(b + 1) * k]
-                top = tuple((int(i), float(v)) for i, v in zip(top_ids, top_lp))
-                out.append(SampledToken(rid, int(ids[b]), float(buf.out_logprob[b]), top))
+                top = tuple((int(i), float(v)) for i, v in zip(top_ids[b * k:(b + 1) * k],
+                                                               top_lp[b * k:(b + 1) * k]))
+                out.append(SampledToken(rid, int(ids[b]), float(logprob[b]), top))
             else:
                 out.append(SampledToken(rid, int(ids[b]), None, None))
         return StepOutput(h.step_id, tuple(out), h.launch_time, h.future.result())

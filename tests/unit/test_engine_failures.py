@@ -254,11 +254,11 @@ class PoisonFault:
         self.raised = 0
         runner.execute = self
 
-    def __call__(self, batch: Any, eos_for: Any, *rest: Any) -> Any:
+    def __call__(self, batch: Any, eos_for: Any, *rest: Any, **kw: Any) -> Any:
         if any(s.new is not None and s.new.params.seed == self.MARK for s in batch.seqs):
             self.raised += 1
             raise IndexError("index 5000 is out of bounds for axis 1 with size 1024")
-        return self.real(batch, eos_for, *rest)
+        return self.real(batch, eos_for, *rest, **kw)
 
 
 async def test_failures_one_request_causes_never_mark_the_engine_dead(app: OpenAIApp) -> None:

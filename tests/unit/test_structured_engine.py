@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -169,6 +170,23 @@ def test_deferred_masks_fill_off_the_event_loop(model_dir: Path, runs, monkeypat
     assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
     off_loop = sum(name.startswith("vt-masks") for name in threads)
     assert off_loop == engine.runner.deferred_samples > 20, (off_loop, len(threads))
+
+
+def test_slow_masks_hold_only_their_own_requests(model_dir: Path, runs, monkeypatch) -> None:
+    """Masks slower than a step: the guided requests sit steps out while the next steps launch
+    without waiting for them (the free rows sample in the first pass), and every token is still
+    depth 1's."""
+    fill = GrammarCompiler.fill_masks
+
+    def slow(self, guides, out) -> None:
+        time.sleep(0.02)
+        fill(self, guides, out)
+
+    monkeypatch.setattr(GrammarCompiler, "fill_masks", slow)
+    results, engine = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16))
+    assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
+    assert engine.held_total > 20
+    assert runs["depth2"][1].held_total < engine.held_total
 
 
 def test_guided_rows_keep_the_decode_graph(runs) -> None:

@@ -9,7 +9,7 @@ have up to two sampled tokens in flight when the engine runs two steps deep.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from vt.sched.kv_cache import BlockPool, InvariantError, hash_block
@@ -150,7 +150,9 @@ class Scheduler:
         return req
 
     # ---- scheduling ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, hold: Container[str] = ()) -> ScheduledBatch:
+        """The next step. Requests in `hold` get no tokens in it (their last sampled token is not
+        on the device in time to be this step's input); they keep their place and blocks."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -164,7 +166,7 @@ class Scheduler:
         idx = 0
         while idx < len(self._running) and budget > 0:
             req = self._running[idx]
-            n = self._num_to_schedule(req, budget)
+            n = 0 if req.request_id in hold else self._num_to_schedule(req, budget)
             if n == 0:
                 idx += 1
                 continue
