@@ -34,7 +34,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
           "stop_token_ids", "priority", "skip_special_tokens", "include_stop_str_in_output", "user",
           "echo", "tokens", "add_special_tokens", "logit_bias", "suffix", "best_of", "tools",
-          "tool_choice", "response_format"]
+          "tool_choice", "response_format", "allowed_token_ids", "return_tokens_as_token_ids",
+          "truncate_prompt_tokens"]
 
 json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
