@@ -107,11 +107,11 @@ for s in $steps; do
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"
       done ;;
-    targets8)  # the peer's target rows, 8B, on the tiling the tilings step found best (else $TILING, else r64)
+    targets8)  # the peer's target rows, 8B, on $TILING, else the tiling the tilings step found best, else vt's default
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
-      t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null || echo r64)}"
-      echo "prefill tiling: $t" | tee "$OUT/targets8.log"
-      VT_PREFILL_TILING=$t timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-$t" --rows targets \
+      t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null)}"
+      echo "prefill tiling: ${t:-default}" | tee "$OUT/targets8.log"
+      VT_PREFILL_TILING=$t timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-${t:-default}" --rows targets \
         --server-args="--max-num-seqs 256 --max-model-len 16384" --budget "${BUDGET:-500}" --out "$OUT/t8" \
         2>&1 | grep -v "^Loading" | tee -a "$OUT/targets8.log" ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
