@@ -3,7 +3,8 @@
 Each in-flight slot owns two fixed regions, reserved at start before the KV cache is sized:
 - the arena, a bump allocator the ops take their outputs from (vt.kernels.arena). A step holds
   the residual stream for its whole length, one layer's outputs at a time (the forward rewinds
-  the arena at each layer), then the head's and the sampler's outputs. `step_arena_bytes` counts
+  the arena at each layer), then the head's and the sampler's outputs, twice (a step with guided
+  rows samples them again in a second pass once their masks are in). `step_arena_bytes` counts
   exactly those allocations, in the forward's order and alignment; the numpy backend keeps the
   same ledger at CUDA sizes, so every CPU run checks this count.
 - split-key attention partials, which attention keeps between its kernel and the combine.
@@ -76,11 +77,13 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
     if split.size > 1:
         sizes += [seqs * split.max_vocab_rows * 4,         # this rank's f32 logits
                   seqs * v * 4]                            # all ranks' logits, gathered rank-major
-    sizes += [seqs * v * 4,                                # f32 logits
-              seqs * 4]                                    # sampled ids
+    sizes.append(seqs * v * 4)                             # f32 logits
+    sampler = [seqs * 4]                                   # sampled ids
     if logprobs_k:
         k = min(logprobs_k, v)
-        sizes += [seqs * 4, seqs * k * 4, seqs * k * 4]    # chosen logprob, top ids, top logprobs
+        sampler += [seqs * 4, seqs * k * 4, seqs * k * 4]  # chosen logprob, top ids, top logprobs
+    # twice: a step with guided rows samples again once their masks are in (its second pass)
+    sizes += sampler * 2
     return sum(aligned(s) for s in sizes)
 
 

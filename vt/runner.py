@@ -32,6 +32,7 @@ from vt.model.loader import load_weights
 from vt.model.transformer import Transformer
 from vt.sampling import MAX_LOGIT_ENTRIES, MAX_LOGPROBS, SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
+from vt.structured.spec import GrammarSpec, StructuredOutput
 
 MAX_BANNED = 16  # eos + stop_token_ids masked while min_tokens is not reached
 # fill(request_ids, out): out i32[len(request_ids), mask words] gets each request's allowed-token
@@ -216,6 +217,7 @@ class _DecodeGraph:
     forward: Any = None
     sample: Any = None
     logits: Any = None
+    high: int = 0  # CUDA: the arena offset past the graphs' buffers (eager work goes above it)
 
 
 @dataclass
@@ -396,13 +398,16 @@ class ModelRunner:
 
     def profile_run(self) -> None:
         """Run the largest step the flags allow once on each slot, at start: the most tokens over
-        the most sequences, every one sampled with MAX_LOGPROBS logprobs, all at the longest
-        context (decodes beside one long prompt chunk). A step that cannot run fails here, not
-        on a request. Its tokens write only into block 0 (nothing is cached yet) and its sampler
-        rows are released before any request is admitted."""
+        the most sequences, every one sampled with MAX_LOGPROBS logprobs and guided (so both
+        sampler passes run), all at the longest context (decodes beside one long prompt chunk).
+        A step that cannot run fails here, not on a request. Its tokens write only into block 0
+        (nothing is cached yet) and its sampler rows are released before any request is
+        admitted."""
         plan, mml = self.step_memory, self.max_model_len
         blocks = (0,) * self.max_blocks
-        new = NewRequestData((1,), (), SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS))
+        guided = StructuredOutput(GrammarSpec("regex", "a"))  # never compiled: every token allowed
+        new = NewRequestData((1,), (), SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS,
+                                                      structured=guided))
         lens = [1] * plan.seqs
         extra = plan.tokens - plan.seqs
         for i in range(plan.seqs - 1, -1, -1):  # the rest as prompt chunks of at most mml tokens
@@ -412,8 +417,13 @@ class ModelRunner:
         seqs = tuple(ScheduledSeq(f"profile-{i}", mml - n, n, (1,) * n, False, blocks, True, 0, new)
                      for i, n in enumerate(lens))
         batch = ScheduledBatch(seqs, (), sum(lens))
+        def allow_all(_rids: Sequence[str], out: np.ndarray) -> None:
+            out.fill(-1)
+
         for _ in range(self.ops.num_slots()):
-            self.execute(batch, lambda _rid: ()).result()
+            h = self.execute(batch, lambda _rid: (), allow_all, defer_masks=True)
+            self.sample_deferred(h, allow_all)
+            h.result()
         for i in range(plan.seqs):
             self.release(f"profile-{i}")
         self.routes.clear()
@@ -737,7 +747,10 @@ class ModelRunner:
             self._sample_forward(buf, st, forward)
             ops.record(slot)  # the next step launches behind this (the first pass, if deferred)
             if st.deferred:  # sample_deferred() brings the masks and launches the second pass
-                self._parked[slot] = (forward, ops.arena_mark())
+                mark = ops.arena_mark()
+                if isinstance(forward, _DecodeGraph) and forward.high:
+                    mark = max(mark, forward.high)  # the second pass allocates past the graphs' buffers
+                self._parked[slot] = (forward, mark)
 
     def _sample_forward(self, buf: _SlotBuffers, st: _Launch, forward: Any) -> None:
         """The sampler of a step whose forward ran: the decode graph's sampler part after the
@@ -908,7 +921,15 @@ class ModelRunner:
         def sample() -> None:
             self._sample(buf, graph.logits, size, 0, False, False)
 
-        graph.forward, graph.sample = self.ops.capture_parts(slot, (forward, sample))
+        if self.ops.name == "cuda":
+            def run(cut: Any) -> None:
+                forward()
+                cut()
+                sample()
+
+            (graph.forward, graph.sample), graph.high = self.ops.capture_pieces(slot, run)
+        else:
+            graph.forward, graph.sample = self.ops.capture_parts(slot, (forward, sample))
         return graph
 
     def _pad_decode(self, buf: _SlotBuffers, nseq: int, mb: int, size: int) -> None:
