@@ -478,11 +478,9 @@ class ModelRunner:
 
     # ---- a step -----------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch, eos_for: Any, fill_masks: MaskFiller | None = None,
-                before_launch: Callable[[], None] | None = None, defer_masks: bool = False) -> StepHandle:
+                defer_masks: bool = False) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
-        token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows;
-        before_launch runs once the step is staged on the host, before any of its masks is
-        filled and before its device work is launched.
+        token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows.
 
         A guided row whose input is the previous step's token (from_last) cannot have its mask
         yet: the grammar must first see that token. Such a step (and, with defer_masks, any step
@@ -625,8 +623,6 @@ class ModelRunner:
         num_biased = len(biased) // 4
         if num_biased:
             buf.bias_sel[0][: len(biased)] = biased
-        if before_launch is not None:
-            before_launch()
         if num_masks:
             if fill_masks is None:
                 raise ValueError("a guided request is in the step but no mask filler was given")

@@ -199,7 +199,7 @@ def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path
 def test_structured_outputs_bench_on_an_emulated_device(tmp_path: Path) -> None:
     """--emulate-step-ms: the step sleeps instead of computing, and a guided row's token is one
     its mask allows, so every guided request (a grammar rejecting a token fails the run) goes
-    through the masks and the deferred sampler, async on and off."""
+    through the masks and the second sampler pass, async on and off."""
     from vt.model.make_model import make_model
 
     model = make_model(tmp_path / "tiny", preset="tiny")
