@@ -110,14 +110,14 @@ def install(step_ms: float, token_us: float) -> None:
     def device_step(self: runner.ModelRunner, st: Any) -> None:
         self.emulated_clock.run((step_ms * 1e3 + token_us * st.ntok) / 1e6)
         # a deferred step's first pass: its guided rows come from the second (sample_deferred)
-        sample(self, st, self.slots[st.slot].out_ids, not st.deferred)
+        sample(self, st, self.slots[st.slot].out.ids, not st.deferred)
 
     def resume_sample(self: runner.ModelRunner, job: tuple[Any, Any]) -> None:
         st, forward = job
         if forward is not None:
             forward.result()
         self.emulated_clock.run(0.0)  # the sampler's own time is in the step's
-        sample(self, st, self.slots[st.slot].late_ids, True)
+        sample(self, st, self.slots[st.slot].late.ids, True)
 
     runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner._device_step = device_step

@@ -48,7 +48,7 @@ def _serve(port: int, max_num_seqs: int, phases_path: str) -> int:
 
         def device_step(st: object, rn: runner.ModelRunner = self) -> None:
             # Valid, varying token ids; ignore_eos keeps every request to its full length.
-            rn.slots[st.slot].out_ids[: st.nseq] = (np.arange(st.nseq) * 7 + rn.step_id) % 900 + 5
+            rn.slots[st.slot].out.ids[: st.nseq] = (np.arange(st.nseq) * 7 + rn.step_id) % 900 + 5
 
         self._device_step = device_step
 

@@ -87,8 +87,24 @@ class _Row:
     penalized: bool
     guided: bool = False  # a grammar masks its tokens (structured outputs)
     num_blocks: int = 0   # entries of the row's block table line written so far
-    num_biased: int = 0   # logit_bias / allowed_token_ids entries in the row's bias table line
-    exclusive: bool = False  # allowed_token_ids: every token not in the line is masked out
+    # logit_bias / allowed_token_ids as SamplingParams.logit_entries() gives them, or None
+    bias: tuple[tuple[int, ...], tuple[float, ...], bool] | None = None
+
+
+@dataclass(frozen=True)
+class _SampledBuffers:
+    """Pinned host outputs of one sampler pass."""
+
+    ids: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_lp: np.ndarray
+
+    @classmethod
+    def pinned(cls, ops: Backend, max_seqs: int) -> _SampledBuffers:
+        return cls(ops.pinned_empty((max_seqs,), np.int32), ops.pinned_empty((max_seqs,), np.float32),
+                   ops.pinned_empty((max_seqs * MAX_LOGPROBS,), np.int32),
+                   ops.pinned_empty((max_seqs * MAX_LOGPROBS,), np.float32))
 
 
 class _SlotBuffers:
@@ -129,15 +145,10 @@ class _SlotBuffers:
         self.mask_rows = pair((max_seqs,), i32, "i32")
         # logit_bias / allowed_token_ids: (batch row, table row, entries, exclusive) per biased row
         self.bias_sel = pair((max_seqs * 4,), i32, "i32")
-        self.out_ids = ops.pinned_empty((max_seqs,), i32)
-        self.out_logprob = ops.pinned_empty((max_seqs,), f32)
-        self.out_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
-        self.out_top_lp = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), f32)
-        # the second pass's outputs (its guided rows'), beside the first's
-        self.late_ids = ops.pinned_empty((max_seqs,), i32)
-        self.late_logprob = ops.pinned_empty((max_seqs,), f32)
-        self.late_top_ids = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), i32)
-        self.late_top_lp = ops.pinned_empty((max_seqs * MAX_LOGPROBS,), f32)
+        # the sampler's outputs: the (first) pass's, and a deferred step's second pass's (its
+        # guided rows'): ids, the chosen logprob, top ids and top logprobs
+        self.out = _SampledBuffers.pinned(ops, max_seqs)
+        self.late = _SampledBuffers.pinned(ops, max_seqs)
 
 
 class StepHandle:
@@ -440,7 +451,8 @@ class ModelRunner:
             raise RuntimeError("no free sampler row (more running requests than max_num_seqs)")
         p = new.params
         penalized = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0)
-        row = _Row(self.free_rows.pop(), p, eos_ids, penalized, p.structured is not None)
+        row = _Row(self.free_rows.pop(), p, eos_ids, penalized, p.structured is not None,
+                   bias=p.logit_entries())
         self.rows[request_id] = row
         self.row_blocks[row.index].fill(0)
         values = (p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p,
@@ -541,9 +553,8 @@ class ModelRunner:
                 decode_only = False
                 if row.penalized:
                     penalty_inits.append((row, s.new))
-                if (entries := s.new.params.logit_entries()) is not None:
-                    row.num_biased, row.exclusive = len(entries[0]), entries[2]
-                    bias_inits.append((row, entries[0], entries[1]))
+                if row.bias is not None:
+                    bias_inits.append((row, row.bias[0], row.bias[1]))
             else:
                 row = self.rows[s.request_id]
             n, p0, blocks = s.num_tokens, s.start_pos, s.block_ids
@@ -587,8 +598,8 @@ class ModelRunner:
                     banned = row.eos_ids[:MAX_BANNED]
                     ban_h[b, : len(banned)] = banned
                     any_ban = True
-                if row.num_biased or row.exclusive:
-                    biased += (b, row.index, row.num_biased, int(row.exclusive))
+                if row.bias is not None:
+                    biased += (b, row.index, len(row.bias[0]), int(row.bias[2]))
                 if row.guided:
                     masked.append(b)
                     mask_rids.append(s.request_id)
@@ -765,20 +776,26 @@ class ModelRunner:
         left (penalties, bans and biases are in them already), then the sampler again, recording
         only the guided rows (late_rows) and writing to the late outputs. Every row is sampled,
         as the per-row draws do not depend on the batch; the free rows' second draws are unused."""
-        ops, nseq = self.ops, st.nseq
+        nseq = st.nseq
         logits = forward.logits[:nseq] if isinstance(forward, _DecodeGraph) else forward
         self._apply_masks(buf, logits, st.num_masks)
-        ops.copy_h2d(buf.late_rows[1][:nseq], buf.late_rows[0][:nseq])
+        self.ops.copy_h2d(buf.late_rows[1][:nseq], buf.late_rows[0][:nseq])
+        self._draw(buf, logits, nseq, st.logprobs_k, buf.late_rows[1][:nseq], buf.late)
+
+    def _draw(self, buf: _SlotBuffers, logits: Any, nseq: int, logprobs_k: int, record: Any,
+              out: _SampledBuffers) -> None:
+        """Sample the (processed) logits, record the tokens of the sampler rows `record` (-1:
+        not this pass's), and copy ids and logprobs to `out`."""
+        ops = self.ops
         ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
                          buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
-        ops.record_sampled(self.last_tokens, self.out_counts, buf.late_rows[1][:nseq], ids)
-        ops.copy_d2h(buf.late_ids[:nseq], ids)
-        k = st.logprobs_k
-        if k:
+        ops.record_sampled(self.last_tokens, self.out_counts, record, ids)
+        ops.copy_d2h(out.ids[:nseq], ids)
+        if k := logprobs_k:
             lp, top_ids, top_lp = ops.log_softmax_topk(logits, ids, k)
-            ops.copy_d2h(buf.late_logprob[:nseq], lp)
-            ops.copy_d2h(buf.late_top_ids[: nseq * k].reshape(nseq, k), top_ids)
-            ops.copy_d2h(buf.late_top_lp[: nseq * k].reshape(nseq, k), top_lp)
+            ops.copy_d2h(out.logprob[:nseq], lp)
+            ops.copy_d2h(out.top_ids[: nseq * k].reshape(nseq, k), top_ids)
+            ops.copy_d2h(out.top_lp[: nseq * k].reshape(nseq, k), top_lp)
 
     def _stage(self, buf: _SlotBuffers, ntok: int, nseq: int, mb: int, max_query_len: int,
                max_seq_len: int, num_decodes: int = 0) -> ForwardBatch:
@@ -823,15 +840,7 @@ class ModelRunner:
         if any_ban:
             ops.ban_tokens(logits, buf.ban[1][: nseq * MAX_BANNED].reshape(nseq, MAX_BANNED))
         self._apply_masks(buf, logits, num_masks)
-        ids = ops.sample(logits, buf.temperature[1][:nseq], buf.top_k[1][:nseq], buf.top_p[1][:nseq],
-                         buf.min_p[1][:nseq], buf.seeds[1][:nseq], buf.offsets[1][:nseq])
-        ops.record_sampled(self.last_tokens, self.out_counts, buf.record_rows[1][:nseq], ids)
-        ops.copy_d2h(buf.out_ids[:nseq], ids)
-        if logprobs_k:
-            lp, top_ids, top_lp = ops.log_softmax_topk(logits, ids, logprobs_k)
-            ops.copy_d2h(buf.out_logprob[:nseq], lp)
-            ops.copy_d2h(buf.out_top_ids[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_ids)
-            ops.copy_d2h(buf.out_top_lp[: nseq * logprobs_k].reshape(nseq, logprobs_k), top_lp)
+        self._draw(buf, logits, nseq, logprobs_k, buf.record_rows[1][:nseq], buf.out)
 
     def _apply_masks(self, buf: _SlotBuffers, logits: Any, num_masks: int) -> None:
         """Upload the step's staged bitmasks and apply them to their rows' logits, in place (no
@@ -953,17 +962,15 @@ class ModelRunner:
         buf = self.slots[h.slot]
         k = h.plan.logprobs_k
         late = h.plan.late
-        first = (buf.out_ids, buf.out_logprob, buf.out_top_ids, buf.out_top_lp)
-        second = (buf.late_ids, buf.late_logprob, buf.late_top_ids, buf.late_top_lp)
         out = []
         for b, rid in h.plan.sample_req:
-            ids, logprob, top_ids, top_lp = second if b in late else first
+            got = buf.late if b in late else buf.out
             if k:
-                top = tuple((int(i), float(v)) for i, v in zip(top_ids[b * k:(b + 1) * k],
-                                                               top_lp[b * k:(b + 1) * k]))
-                out.append(SampledToken(rid, int(ids[b]), float(logprob[b]), top))
+                top = tuple((int(i), float(v)) for i, v in zip(got.top_ids[b * k:(b + 1) * k],
+                                                               got.top_lp[b * k:(b + 1) * k]))
+                out.append(SampledToken(rid, int(got.ids[b]), float(got.logprob[b]), top))
             else:
-                out.append(SampledToken(rid, int(ids[b]), None, None))
+                out.append(SampledToken(rid, int(got.ids[b]), None, None))
         return StepOutput(h.step_id, tuple(out), h.launch_time, h.future.result())
 
     def shutdown(self) -> None:
