@@ -95,8 +95,10 @@ def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, 
                  prefill: int = 0):
     blocks = max_seqs * blocks_per_seq(context) + 16 + -(-prefill // 16)
     max_seqs += prefill > 0
-    return random_runner(preset, device, 16 * blocks_per_seq(context), max_num_seqs=max_seqs,
-                         max_num_batched_tokens=max(2048, max_seqs), num_gpu_blocks=blocks,
+    # the longest sequence is a decode's context or the new prompt, whichever is longer
+    max_len = 16 * max(blocks_per_seq(context), -(-prefill // 16))
+    return random_runner(preset, device, max_len, max_num_seqs=max_seqs,
+                         max_num_batched_tokens=max(2048, max_seqs + prefill), num_gpu_blocks=blocks,
                          enforce_eager=enforce_eager)
 
 

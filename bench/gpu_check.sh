@@ -18,6 +18,7 @@ peer_pair() {
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
 }
 for s in $steps; do
+  echo "== $s $(date -u +%T)" | tee -a "$OUT/steps.log"
   case $s in
     ops) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
     model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
@@ -25,8 +26,10 @@ for s in $steps; do
     kernels) timeout 150 python3 bench/kernel_bench.py 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
     gemm) timeout 200 python3 bench/gemm_decode.py --preset 8b --json "$OUT/gemm8.json" 2>&1 | tail -40 \
       | tee "$OUT/gemm8.log" ;;
-    lt) timeout 400 python3 bench/lt_search.py --preset 8b --rows 64,128,256 --json "$OUT/lt8.json" 2>&1 \
-      | tail -60 | tee "$OUT/lt8.log" ;;
+    lt) timeout 400 python3 bench/lt_search.py --preset 8b --rows "${LT_ROWS:-64,128,256}" --seconds "${LT_SECONDS:-20}" --limit "${LT_LIMIT:-20000}" \
+      --json "$OUT/lt8.json" 2>&1 | tail -60 | tee "$OUT/lt8.log" ;;
+    layout) timeout 120 python3 bench/gemm_layout.py --preset 8b --json "$OUT/layout8.json" 2>&1 | tail -12 \
+      | tee "$OUT/layout8.log" ;;
     bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,64,128,256 --context 512 \
       --modes "${MODES:-graph,eager}" 2>&1 | grep "^|" | tee "$OUT/decode06.log" ;;
     bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
@@ -67,7 +70,8 @@ for s in $steps; do
     profile)
       # Every kernel of a step (depth 1) and the depth-2 device timeline; the 8B build takes ~1 min.
       for p in ${PRESETS:-0.6b 8b}; do
-        timeout 240 python3 bench/step_profile.py --preset $p --batch "${BATCH:-64}" 2>&1 | tail -60 \
+        timeout 240 python3 bench/step_profile.py --preset $p --batch "${BATCH:-64}" --context "${CONTEXT:-512}" \
+          --prefill "${PREFILL:-0}" 2>&1 | tail -60 \
           | sed "s/^/$p /" | tee -a "$OUT/profile.log"
       done ;;
     prefill)
@@ -80,15 +84,16 @@ for s in $steps; do
         timeout 300 python3 bench/prefill.py --preset $p --prompt-lens 1024,8192,32768 --chunks 2048,8192 \
           --repeats 3 --warmup 1 --json "$OUT/chunked_$p.json" 2>&1 | tail -9 | tee -a "$OUT/chunked.log"
       done ;;
-    structured)  # the bitmask kernel, guided serving on CUDA, and the JSON-schema share table (0.6B shapes)
+    structured|structured_tests)  # the bitmask kernel and guided serving on CUDA
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_structured_cuda.py \
         tests/gpu/test_cuda_ops.py -k "bitmask or structured or json or regex or two_part" 2>&1 | tail -5 \
         | tee "$OUT/structured_tests.log"
       VT_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_structured_outputs.py \
-        2>&1 | tail -10 | tee -a "$OUT/structured_tests.log"
+        2>&1 | tail -10 | tee -a "$OUT/structured_tests.log" ;;&
+    structured|structured_bench)  # the JSON-schema share table (0.6B shapes) and mask-fill times
       test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
       timeout 590 python3 bench/structured_outputs.py --model /tmp/q06 --device cuda --num-prompts 512 \
-        --max-concurrency 128 --output-len 256 --server-args='--max-model-len 2048' --out "$OUT/structured" \
+        --max-concurrency 128 --output-len 256 --shares "${SHARES:-0,25,100}" --server-args='--max-model-len 2048' --out "$OUT/structured" \
         2>&1 | tail -12 | tee "$OUT/structured.log"
       timeout 200 python3 bench/mask_fill.py --rows 32,128 --threads 1,4,8 2>&1 | tail -9 \
         | tee "$OUT/mask_fill.log" ;;
@@ -127,5 +132,7 @@ for s in $steps; do
         ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-420}" \
         --server-args="--max-num-seqs 256 --max-model-len 40960" --long "${LONG:-40900}" --out "$OUT/m8" \
         2>&1 | grep -v "^Loading" | tee "$OUT/matrix8.log" ;;
+    *) ;;
   esac
 done
+echo "== end $(date -u +%T)" | tee -a "$OUT/steps.log"

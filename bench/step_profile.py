@@ -97,15 +97,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="prompt tokens of a new request beside the decodes in every step (a mixed step)")
     ap.add_argument("--trace", default=None)
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
-    runner, mc = build_runner(args.preset, args.batch, args.context, False)
+    runner, mc = build_runner(args.preset, args.batch, args.context, False, prefill=args.prefill)
     eos = lambda _rid: ()  # noqa: E731
-    gen = decode_batches(args.batch, args.context, 2 * args.steps + 6)  # warm-up, one, then two runs
+    # warm-up, one, then two runs
+    gen = decode_batches(args.batch, args.context, 2 * args.steps + 6, args.prefill)
     runner.execute(next(gen), eos).result()
     for _ in range(4):
         runner.execute(next(gen), eos).result()
@@ -122,7 +125,7 @@ def main() -> None:
     kernels = kernel_events(json.loads(path.read_text()))
     s = summarize(split_steps(kernels, per_step))
     floor = floor_seconds(mc, args.batch, args.context) * 1e6
-    print(f"{args.preset} batch {args.batch} context {args.context}: "
+    print(f"{args.preset} batch {args.batch} context {args.context} prefill {args.prefill}: "
           f"{s['kernels_per_step']} kernels per step, "
           f"busy {s['busy_us']:.0f} us + gaps {s['gaps_us']:.0f} us = span {s['span_us']:.0f} us; "
           f"floor {floor:.0f} us ({s['span_us'] / floor:.2f}x, busy alone {s['busy_us'] / floor:.2f}x)")

@@ -437,7 +437,10 @@ class ModelRunner:
             h.result()
         for i in range(plan.seqs):
             self.release(f"profile-{i}")
+        # the counters describe served steps: the profile's guided, deferred steps are not
         self.routes.clear()
+        self.guided_routes.clear()
+        self.deferred_samples = 0
 
     # ---- rows ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:

@@ -59,6 +59,8 @@ def _runner(checkpoint: Path, **flags: object) -> tuple[ModelRunner, NumpyBacken
 def test_the_largest_step_takes_exactly_the_planned_arena(checkpoint: Path, tokens: int, seqs: int) -> None:
     runner, ops = _runner(checkpoint, max_num_batched_tokens=tokens, max_num_seqs=seqs)
     runner.profile_run()  # the most tokens over the most sequences, logprobs 20, longest context
+    # its steps are guided and sample twice, but the counters of served steps stay at zero
+    assert not runner.routes and not runner.guided_routes and runner.deferred_samples == 0
     plan = runner.step_memory
     assert plan.tokens == max(tokens, seqs) and plan.seqs == seqs
     # The plan rounds the last output up to the alignment too.
