@@ -21,6 +21,7 @@ one speed for every batch size, so pick `--step-ms` from a measured step of the 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import sys
 import time
 from pathlib import Path
@@ -69,20 +70,31 @@ class DeviceClock:
 
 
 class LaunchingExecutor:
-    """The step worker, noting when each job was launched for the clock."""
+    """The step worker, noting when each job was launched for the clock. A deferred step's
+    second sampler pass runs on a stream of its own, as on CUDA (its slot's stream, while the
+    next step runs on the other): it waits for its step's first pass, not for the steps
+    launched after that one, and a step launched after it runs after it."""
 
     def __init__(self, inner: Any, clock: DeviceClock) -> None:
         self.inner, self.clock = inner, clock
+        self.side = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="emulated-late")
+        self.last_late: concurrent.futures.Future | None = None
 
-    def _run(self, launched: float, fn: Any, args: tuple) -> Any:
+    def _run(self, launched: float, after: concurrent.futures.Future | None, fn: Any, args: tuple) -> Any:
+        if after is not None:
+            concurrent.futures.wait([after])
         self.clock.launched = launched
         return fn(*args)
 
     def submit(self, fn: Any, *args: Any) -> Any:
-        return self.inner.submit(self._run, time.monotonic(), fn, args)
+        if args and getattr(args[0], "__name__", "") == "resume_sample":
+            self.last_late = self.side.submit(fn, *args)
+            return self.last_late
+        return self.inner.submit(self._run, time.monotonic(), self.last_late, fn, args)
 
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
+        self.side.shutdown(wait=wait)
 
 
 def install(step_ms: float, token_us: float) -> None:
@@ -115,8 +127,7 @@ def install(step_ms: float, token_us: float) -> None:
     def resume_sample(self: runner.ModelRunner, job: tuple[Any, Any]) -> None:
         st, forward = job
         if forward is not None:
-            forward.result()
-        self.emulated_clock.run(0.0)  # the sampler's own time is in the step's
+            forward.result()  # the step's first pass; the sampler's own time is in the step's
         sample(self, st, self.slots[st.slot].late.ids, True)
 
     runner.ModelRunner.__init__ = with_clock

@@ -201,6 +201,12 @@ class StepHandle:
         return self.runner._collect(self)
 
 
+def slot_waiters(slots: int) -> list[concurrent.futures.ThreadPoolExecutor]:
+    """One single-thread executor per slot: a slot's waits end in launch order, independently of
+    the other slot's."""
+    return [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"vt-wait{i}") for i in range(slots)]
+
+
 @dataclass
 class _Pieces:
     """One padded token count's layers, captured piecewise for steps no decode graph serves
@@ -308,8 +314,13 @@ class ModelRunner:
         self.row_blocks = np.zeros((rows, self.max_blocks), np.int32)
         self.step_id = 0
         self.prev_slot: int | None = None
-        # numpy: the step's device part runs here; cuda: a thread waits on the slot's event.
+        # numpy: the step's device part runs here, in launch order (the one device).
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
+        # cuda: one thread per slot waits on that slot's stream. With one thread for both, a
+        # deferred step's wait (queued once its masks are in) sat behind the next step's,
+        # queued at that step's launch: its tokens came a whole step late and the device idled
+        # while they were processed.
+        self.waiters = slot_waiters(ops.num_slots()) if ops.name != "numpy" else []
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.pieces: dict[tuple[int, int], _Pieces] = {}
         self.graph_sizes = tuple(n for n in GRAPH_SIZES if n <= self.max_seqs)
@@ -669,7 +680,7 @@ class ModelRunner:
         else:
             self._device_step(step)
             if not deferred:
-                future = self.worker.submit(self._timed, self.ops.wait, slot)
+                future = self._completion(slot)
         return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time, step if deferred else None)
 
     def _mask_view(self, buf: _SlotBuffers, rows: int) -> np.ndarray:
@@ -706,7 +717,7 @@ class ModelRunner:
                 h.future = self.worker.submit(self._timed, self._resume_sample, (st, forward))
                 return
             self._resume_sample((st, None))
-            h.future = self.worker.submit(self._timed, self.ops.wait, st.slot)
+            h.future = self._completion(st.slot)
         except Exception as exc:
             failed: concurrent.futures.Future = concurrent.futures.Future()
             failed.set_exception(exc)
@@ -723,6 +734,10 @@ class ModelRunner:
                 ops.arena_reserve(mark)  # the logits and the first pass's outputs stay where they are
             self._sample_late(self.slots[st.slot], st, parked)
             ops.record(st.slot)
+
+    def _completion(self, slot: int) -> concurrent.futures.Future:
+        """A future of when the work launched so far on `slot` ends (device backends)."""
+        return self.waiters[slot].submit(self._timed, self.ops.wait, slot)
 
     @staticmethod
     def _timed(fn: Any, arg: Any) -> float:
@@ -978,3 +993,5 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)
+        for w in self.waiters:
+            w.shutdown(wait=True)
