@@ -75,8 +75,8 @@ class LaunchingExecutor:
     next step runs on the other): it waits for its step's first pass, not for the steps
     launched after that one, and a step launched after it runs after it."""
 
-    def __init__(self, inner: Any, clock: DeviceClock) -> None:
-        self.inner, self.clock = inner, clock
+    def __init__(self, inner: Any, clock: DeviceClock, second_pass: Any) -> None:
+        self.inner, self.clock, self.second_pass = inner, clock, second_pass
         self.side = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="emulated-late")
         self.last_late: concurrent.futures.Future | None = None
 
@@ -87,7 +87,7 @@ class LaunchingExecutor:
         return fn(*args)
 
     def submit(self, fn: Any, *args: Any) -> Any:
-        if args and getattr(args[0], "__name__", "") == "resume_sample":
+        if args and getattr(args[0], "__func__", None) is self.second_pass:
             self.last_late = self.side.submit(fn, *args)
             return self.last_late
         return self.inner.submit(self._run, time.monotonic(), self.last_late, fn, args)
@@ -106,7 +106,7 @@ def install(step_ms: float, token_us: float) -> None:
     def with_clock(self: runner.ModelRunner, *a: Any, **k: Any) -> None:
         init(self, *a, **k)
         self.emulated_clock = DeviceClock()
-        self.worker = LaunchingExecutor(self.worker, self.emulated_clock)
+        self.worker = LaunchingExecutor(self.worker, self.emulated_clock, resume_sample)
 
     def sample(rn: runner.ModelRunner, st: Any, out: np.ndarray, masked: bool) -> None:
         buf = rn.slots[st.slot]

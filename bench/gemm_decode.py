@@ -119,11 +119,18 @@ def time_calls(stream: cupy.cuda.Stream, call, reps: int = REPS, replays: int = 
     return statistics.median(times)
 
 
+def rotating_weights(rng, n: int, k: int) -> list[cupy.ndarray]:
+    """Copies of a random w[n, k], enough that a graph of calls cycling through them reads each
+    from HBM, not from L2."""
+    copies = max(2, -(-COPY_BYTES // (2 * n * k)))
+    return [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+
+
 def time_shape(sk: StreamKGemm, ws, gemm: CublasGemm, dep: DependentLauncher, stream: cupy.cuda.Stream,
                n: int, k: int, rows: int, accumulate: bool, rng) -> dict:
     """Microseconds per call of cuBLAS and the stream-K kernel, weights read from HBM."""
-    copies = max(2, -(-COPY_BYTES // (2 * n * k)))
-    weights = [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+    weights = rotating_weights(rng, n, k)
+    copies = len(weights)
     x = rand_bf16(rng, (rows, k))
     y = cupy.zeros((rows, n), dtype=cupy.uint16)
     cupy.cuda.Device().synchronize()  # made on the default stream, which `stream` does not wait for

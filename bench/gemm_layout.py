@@ -15,7 +15,7 @@ import json
 
 import cupy
 import numpy as np
-from gemm_decode import COPY_BYTES, SHAPES, rand_bf16, time_calls
+from gemm_decode import SHAPES, rand_bf16, rotating_weights, time_calls
 
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 
@@ -24,8 +24,8 @@ CALLS = 36
 
 def time_layout(gemm: CublasGemm, stream: cupy.cuda.Stream, n: int, k: int, rows: int, accumulate: bool,
                 col_major: bool, rng) -> float:
-    copies = max(2, -(-COPY_BYTES // (2 * n * k)))
-    weights = [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+    weights = rotating_weights(rng, n, k)
+    copies = len(weights)
     if col_major:
         weights = [cupy.asfortranarray(w) for w in weights]
     x = rand_bf16(rng, (rows, k))

@@ -23,7 +23,7 @@ import time
 
 import cupy
 import numpy as np
-from gemm_decode import COPY_BYTES, HBM_BYTES_PER_S, SHAPES, from_bf16, rand_bf16, time_calls
+from gemm_decode import HBM_BYTES_PER_S, SHAPES, from_bf16, rand_bf16, rotating_weights, time_calls
 
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
 from vt.kernels.cuda_ops import _COLUMN_MAJOR_MIN_ASPECT
@@ -278,8 +278,8 @@ def search_shape(
     rng,
 ) -> dict:
     col_major = n >= _COLUMN_MAJOR_MIN_ASPECT * k  # as gemm_layout stores it in vt
-    copies = max(2, -(-COPY_BYTES // (2 * n * k)))
-    weights = [rand_bf16(rng, (n, k), 1 / np.sqrt(k)) for _ in range(copies)]
+    weights = rotating_weights(rng, n, k)
+    copies = len(weights)
     x = rand_bf16(rng, (rows, k))
     y = cupy.zeros((rows, n), dtype=cupy.uint16)
     cupy.cuda.Device().synchronize()
