@@ -298,11 +298,15 @@ def _prologue_case(rng, d, t=9, hq=8, hk=2, nblk=4, bs=4) -> dict:
     )
 
 
-@pytest.mark.parametrize("with_norm,d", [(True, 128), (False, 64), (True, 256)])
-def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d):
+@pytest.mark.parametrize("with_norm,d,shape", [
+    (True, 128, {}), (False, 64, {}), (True, 256, {}), (True, 96, {}), (True, 32, {}),
+    # a token's rows split over three blocks; 700 tokens at one block each, three rows a group
+    (True, 128, dict(hq=32, hk=8)), (True, 128, dict(t=700, hq=32, hk=8, nblk=200)),
+])
+def test_fused_prologue_equals_norm_rope_write_kv(cb, nb, rng, with_norm, d, shape):
     """One launch for head norms, rope and the cache write: bit for bit the three CUDA ops, and
     within bf16 of numpy; padding slots (-1) leave the cache alone."""
-    c = _prologue_case(rng, d)
+    c = _prologue_case(rng, d, **shape)
     qkv, pos, inv_freq, slots, cache0, views = c["qkv"], c["pos"], c["inv_freq"], c["slots"], c["cache0"], \
         c["views"]
     dev_pos, dev_slots = cb.from_host(pos, "i32"), cb.from_host(slots, "i32")
@@ -531,10 +535,11 @@ def test_attention_on_a_strided_q_view(cb, nb, rng):
     assert rel_err(got, nb.attention(q, kc, vc, qsl, seq_lens, table, 0.125, 6, 30)) < BF16_TOL
 
 
-@pytest.mark.parametrize("inter", [384, 3072, 12288])
-def test_silu_mul(cb, nb, rng, inter):
-    x = bf16(rng.standard_normal((19, 2 * inter)) * 3)
-    r = bf16(rng.standard_normal((19, 1024)) * rng.uniform(0.1, 30, (19, 1)))
+@pytest.mark.parametrize("inter,t", [(384, 19), (3072, 19), (12288, 19), (3072, 600)])
+def test_silu_mul(cb, nb, rng, inter, t):
+    """A row split over several blocks (few tokens) and one block a row (a prompt's worth)."""
+    x = bf16(rng.standard_normal((t, 2 * inter)) * 3)
+    r = bf16(rng.standard_normal((t, 1024)) * rng.uniform(0.1, 30, (t, 1)))
     poison(cb)
     with cb.slot(0):
         got = cb.to_host(cb.silu_mul(act(cb, x)))

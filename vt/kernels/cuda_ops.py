@@ -259,6 +259,14 @@ class CudaBackend:
             self._occupancy[key] = max(1, per_sm) * self._num_sms
         return self._occupancy[key]
 
+    def _token_grid(self, tokens: int, most_parts: int) -> tuple[int, int]:
+        """Grid (parts, token blocks) of a kernel that splits each token's row into at most
+        most_parts blocks: as few as keep about four blocks per SM in flight, so a long prompt
+        runs one block per token (one reduction of its scale, not one per part) and a decode
+        batch still fills the chip. Blocks stride over tokens beyond the grid's y limit."""
+        parts = min(most_parts, max(1, -(-4 * self._num_sms // tokens)))
+        return parts, min(tokens, 65535)
+
     def _launch(
         self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
     ) -> None:
@@ -582,9 +590,10 @@ class CudaBackend:
                 f"{v_cache.shape}, inv_freq {inv_freq.shape} disagree"
             )
         if t:
+            lanes = 1 << (d // 8 - 1).bit_length()  # a row's lanes: the power of two >= d/8
             self._launch(
                 "qk_norm_rope_write_kv_k",
-                (t, -(-(hq + 2 * hk) // 8)),
+                self._token_grid(t, -(-(hq + 2 * hk) * lanes // 256)),
                 (256,),
                 (q, _i32(qs), k, _i32(ks), v, _i32(vs), 0 if q_norm is None else q_norm,
                  0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
@@ -681,8 +690,8 @@ class CudaBackend:
                 raise ValueError(f"silu_mul: rms_of has {rms_of.shape[0]} rows for {t} tokens")
         out = self._out((t, inter), np.uint16)
         if t and inter:
-            threads = 256  # each thread does two chunks of 8 outputs of its block's row
-            self._launch("silu_mul_k", (t, -(-inter // 8 // (2 * threads))), (threads,),
+            threads = 256  # a thread does every parts-th chunk of 8 outputs of its block's row
+            self._launch("silu_mul_k", self._token_grid(t, -(-inter // 8 // threads)), (threads,),
                          (x, out, _i32(t), _i32(inter), 0 if rms_of is None else rms_of,
                           _i32(0 if rms_of is None else rms_of.shape[1]), _f32(eps)))
         return out

@@ -129,9 +129,15 @@ __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) 
 
 // The attention prologue in one launch (head_rms_norm of q and k, neox rope, write_kv), bit
 // for bit equal to head_rms_norm_k + rope_k + write_kv_k: the same sum order, and bf16 rounding
-// after the norm and after the rotation. One warp per head row of a token: rows 0..hq-1 are q
-// heads, then hk k heads, then hk v heads (copied to the cache). Lane l holds elements 8l..8l+7
-// (d <= 256, d % 16 == 0); the rotation partner of a lane is the lane d/16 away.
+// after the norm and after the rotation. Head rows of a token: 0..hq-1 are q heads, then hk k
+// heads, then hk v heads (copied to the cache). A group of g lanes (g the power of two >= d/8:
+// half a warp at d=128) holds one row, lane l of it elements 8l..8l+7 (d <= 256, d % 16 == 0);
+// the rotation partner of a lane is the lane d/16 away. A group's xor reduction over its g lanes
+// adds what a whole warp's would (the other lanes' terms reach it as exact zeros), so the head
+// norm's sums are head_rms_norm_k's. Grid (parts, tokens): a block walks the rows
+// part, part + parts, ... in steps of its groups, after computing its token's rotation (one
+// sincosf per frequency, not one per row) and input-norm scale once; the parts of a token are
+// neighbours, so their re-reads of rms_of hit L2.
 // rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
 // (the input norm, its weight folded into the qkv projection), then bias (may be null) is
 // added, and the rounded values are written back into q, k and v.
@@ -142,62 +148,67 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
     int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias) {
     __shared__ float scratch[32];
+    __shared__ float rot_c[128], rot_s[128];
     // Attention, launched as a dependent, reads only the K/V this kernel does not write before
     // it waits for it: let its blocks start on that now.
     grid_dependents_go();
-    const int t = blockIdx.x;
-    if (t >= tokens) return;
-    const int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    const bool mine = lane * 8 < d && row < hq + 2 * hk;
-    const bool is_v = row >= hq + hk, is_q = row < hq;
-    const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
-    bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d
-               : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
-    // The row, slot and position are loaded before the token's scale is reduced, so the reads overlap.
-    float f[8];
-    if (mine) load8(xr + lane * 8, f);
-    else for (int e = 0; e < 8; ++e) f[e] = 0.f;
-    const long long slot = slot_mapping[t];
-    const float pos = (float)positions[t];
-    const float scale = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
-    if (row >= hq + 2 * hk) return;
-    const bool cache = slot >= 0 && slot < num_slots;
+    const int half = d / 2, span = half / 8, rows = hq + 2 * hk;
+    int g = 1;
+    while (g * 8 < d) g <<= 1;
+    const int lane = threadIdx.x & 31, sub = lane & (g - 1), groups = blockDim.x / g;
+    const int partner = (lane & ~(g - 1)) | (sub * 8 < half ? sub + span : sub - span);
+    const bool first = sub * 8 < half, lane_live = sub * 8 < d;
     const bool prescale = rms_of != nullptr || bias != nullptr;
-    if (mine && prescale) scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + lane * 8 : nullptr);
-    if (is_v) {  // v head: into the cache (and back into v when scaled)
-        if (!mine) return;
-        if (prescale) store8(xr + lane * 8, f);
-        if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + lane * 8, f);
-        return;
-    }
-    const bf16_t* w = is_q ? q_norm : k_norm;
-    if (w != nullptr) {
-        float ss = 0.f;
-        for (int e = 0; e < 8; ++e) ss = __fmaf_rn(f[e], f[e], ss);
-        ss = warp_sum(ss);
-        const float inv = rsqrtf(ss / (float)d + eps);
-        if (mine) {
-            float g[8];
-            load8(w + lane * 8, g);
-            for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(__fmul_rn(__fmul_rn(f[e], inv), g[e])));
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const long long slot = slot_mapping[t];
+        const bool cache = slot >= 0 && slot < num_slots;
+        const float pos = (float)positions[t];
+        __syncthreads();  // the previous token's rows are done with the tables
+        for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf(pos * inv_freq[i], &rot_s[i], &rot_c[i]);
+        const float scale =
+            rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
+        __syncthreads();
+        // Every lane of a warp runs every iteration (the shuffles need them all).
+        for (int base = blockIdx.x * groups; base < rows; base += gridDim.x * groups) {
+            const int row = base + (int)threadIdx.x / g;
+            const bool mine = lane_live && row < rows;
+            const bool is_v = row >= hq + hk, is_q = row < hq;
+            const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
+            bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d
+                       : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
+            float f[8];
+            if (mine) load8(xr + sub * 8, f);
+            else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+            if (mine && prescale) scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + sub * 8 : nullptr);
+            if (q_norm != nullptr) {  // both norms or neither (the host checks)
+                float ss = 0.f;
+                for (int e = 0; e < 8; ++e) ss = __fmaf_rn(f[e], f[e], ss);
+                for (int o = g >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                const float inv = rsqrtf(ss / (float)d + eps);
+                if (mine && !is_v) {
+                    float w[8];
+                    load8((is_q ? q_norm : k_norm) + sub * 8, w);
+                    for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(__fmul_rn(__fmul_rn(f[e], inv), w[e])));
+                }
+            }
+            float other[8];
+            for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner);
+            if (!mine) continue;
+            if (is_v) {  // v head: into the cache (and back into v when scaled)
+                if (prescale) store8(xr + sub * 8, f);
+                if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + sub * 8, f);
+                continue;
+            }
+            float r[8];
+            for (int e = 0; e < 8; ++e) {
+                const int i = (first ? sub * 8 : sub * 8 - half) + e;
+                r[e] = first ? rot_first(f[e], other[e], rot_c[i], rot_s[i])
+                             : rot_second(other[e], f[e], rot_c[i], rot_s[i]);
+            }
+            store8(xr + sub * 8, r);
+            if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + sub * 8, r);
         }
     }
-    const int half = d / 2, span = half / 8;
-    const bool first = lane * 8 < half;
-    const int partner = first ? lane + span : lane - span;
-    float other[8];
-    for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner & 31);
-    if (!mine) return;
-    float r[8];
-    for (int e = 0; e < 8; ++e) {
-        const int i = (first ? lane * 8 : lane * 8 - half) + e;
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
-        r[e] = first ? rot_first(f[e], other[e], c, s) : rot_second(other[e], f[e], c, s);
-    }
-    store8(xr + lane * 8, r);
-    if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + lane * 8, r);
 }
 
 // x[t, :n] = x * s_t + bias in place on token-strided rows, s_t = rsqrt(mean(rms_of[t]^2) + eps)
@@ -216,33 +227,34 @@ extern "C" __global__ void rms_scale_k(bf16_t* __restrict__ x, int x_stride, int
 }
 
 // out[t, :] = silu(s x[t, :inter]) * (s x[t, inter:]), s = rsqrt(mean(rms_of[t]^2) + eps), or 1
-// without rms_of (the post-attention norm, its weight folded into gate_up). Grid (tokens, parts):
-// a block does 2 * blockDim.x chunks of 8 outputs of one row. The inputs are loaded before the
-// row's scale is reduced, so the two reads' latencies overlap.
+// without rms_of (the post-attention norm, its weight folded into gate_up). Grid (parts,
+// tokens): block p of a row does its chunks of 8 outputs p * blockDim.x + threadIdx.x, stepping
+// by parts * blockDim.x. A token's parts are neighbours, so their reads of rms_of hit L2. The
+// first chunk is loaded before the row's scale is reduced, so the two reads' latencies overlap.
 extern "C" __global__ void silu_mul_k(const bf16_t* __restrict__ x, bf16_t* __restrict__ out, int tokens, int inter,
                                       const bf16_t* __restrict__ rms_of, int rms_width, float eps) {
     __shared__ float scratch[32];
-    const int t = blockIdx.x;
-    if (t >= tokens) return;
-    const int per_row = inter / 8;
-    const bf16_t* xr = x + (size_t)t * 2 * inter;
-    float g[2][8], u[2][8];
-    int chunk[2];
-    for (int j = 0; j < 2; ++j) {
-        chunk[j] = (blockIdx.y * 2 + j) * blockDim.x + threadIdx.x;
-        if (chunk[j] < per_row) {
-            load8(xr + chunk[j] * 8, g[j]);
-            load8(xr + inter + chunk[j] * 8, u[j]);
+    const int per_row = inter / 8, step = gridDim.x * blockDim.x;
+    const int c0 = blockIdx.x * blockDim.x + threadIdx.x;
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const bf16_t* xr = x + (size_t)t * 2 * inter;
+        float g[8], u[8];
+        if (c0 < per_row) {
+            load8(xr + c0 * 8, g);
+            load8(xr + inter + c0 * 8, u);
         }
-    }
-    const float s = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
-    for (int j = 0; j < 2; ++j) {
-        if (chunk[j] >= per_row) return;
-        for (int e = 0; e < 8; ++e) {
-            const float a = g[j][e] * s;
-            g[j][e] = a / (1.f + expf(-a)) * (u[j][e] * s);
+        const float s = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
+        for (int c = c0; c < per_row; c += step) {
+            if (c != c0) {
+                load8(xr + c * 8, g);
+                load8(xr + inter + c * 8, u);
+            }
+            for (int e = 0; e < 8; ++e) {
+                const float a = g[e] * s;
+                g[e] = a / (1.f + expf(-a)) * (u[e] * s);
+            }
+            store8(out + (size_t)t * inter + c * 8, g);
         }
-        store8(out + (size_t)t * inter + chunk[j] * 8, g[j]);
     }
 }
 
