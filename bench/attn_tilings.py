@@ -6,7 +6,9 @@ Shapes are Qwen3-8B's and Qwen3-0.6B's attention (head dim 128, 8 kv heads, 32 o
 one prompt alone (2k, 8k), a 2048-token chunk at the end of an 8k and of a 32k context (chunked
 prefill), and four 1k prompts in one step. Each launch is timed as kernel_bench times ops (graph replays).
 
-    python3 bench/attn_tilings.py [--json out.json] [--best FILE]
+    python3 bench/attn_tilings.py [--json out.json] [--best FILE] [--tiling wgv --tiling wgr ...]
+
+--tiling (repeatable) times only those tilings (and always the fallback, the baseline).
 
 --best writes the tiling to serve with: the one with the best geometric-mean speed-up over the
 8B cases among those whose output stays within 2% of the fallback's (r64, proven) on every case.
@@ -40,7 +42,7 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], hq: int) -> float:
 
 
 def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
-             ctx_lens: list[int]) -> list[dict]:
+             ctx_lens: list[int], tilings: list[str] | None = None) -> list[dict]:
     import cupy
     from kernel_bench import act, time_op  # bench/ is this script's sys.path[0]
 
@@ -62,7 +64,8 @@ def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_l
 
     flops = causal_flops(q_lens, ctx_lens, hq)
     rows: list[dict] = []
-    order = [FALLBACK_PREFILL_TILING, *(t for t in PREFILL_TILINGS if t != FALLBACK_PREFILL_TILING)]
+    order = [FALLBACK_PREFILL_TILING,
+             *(t for t in PREFILL_TILINGS if t != FALLBACK_PREFILL_TILING and (not tilings or t in tilings))]
     for tiling in order:
         try:
             be.use_prefill_tiling(tiling)
@@ -85,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--best", default=None, help="write the fastest tiling that agrees with the default")
+    ap.add_argument("--tiling", action="append", default=None, choices=sorted(PREFILL_TILINGS),
+                    help="time only these (and the fallback); every tiling when not given")
     args = ap.parse_args()
     from vt.kernels.cuda_ops import CudaBackend
 
@@ -98,7 +103,7 @@ def main() -> None:
           f"{'rel diff':>9s}")
     for hq in (32, 16):
         for label, q_lens, ctx_lens in cases:
-            for row in run_case(be, rng, hq, label, q_lens, ctx_lens):
+            for row in run_case(be, rng, hq, label, q_lens, ctx_lens, args.tiling):
                 rows.append(row)
                 print(f"{hq:6d} {label:16s} {row['tiling']:7s} {row['us']:9.1f} {row['tflops']:8.1f} "
                       f"{row['speedup']:9.2f}x {row['rel_diff']:9.1e}")

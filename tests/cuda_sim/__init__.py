@@ -48,7 +48,7 @@ def host_source(tu: str) -> str:
 
 def _launchers(src: str) -> str:
     out = []
-    for name in re.findall(r"^ATTENTION_\w*ENTRY\((\w+),", src, flags=re.M):
+    for name in re.findall(r"^ATTENTION_\w*ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
                    f'size_t smem, ATTN_TC_PARAMS) {{ return sim::launch(gx, gy, gz, threads, smem, '
                    f'[&] {{ {name}(ATTN_TC_ARGS); }}); }}')

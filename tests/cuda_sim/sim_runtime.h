@@ -111,6 +111,7 @@ struct Block {
     WarpX warps[kMaxThreads / 32];
     Group groups[64];
     float* wg_acc[kMaxThreads];  // each thread's accumulators, for the warpgroup's wgmma
+    const unsigned* wg_areg[kMaxThreads];  // each thread's A registers, for a register-A wgmma
     int arrived = 0, live = 0;
     unsigned gen = 0;
     ucontext_t sched;

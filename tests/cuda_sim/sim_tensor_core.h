@@ -10,6 +10,12 @@ inline float sim_bf(uint32_t w, int hi) { return __uint_as_float(hi ? (w & 0xfff
 
 inline unsigned int smem_addr(const void* p) { return (unsigned int)(uintptr_t)p; }
 
+inline float ex2_ftz(float x) {
+    if (std::fabs(x) < 1.17549435e-38f) x = 0.f;
+    const float y = std::exp2(x);
+    return y < 1.17549435e-38f ? 0.f : y;
+}
+
 inline void sim_land(const sim::Copy& c) {
     if (c.src) std::memcpy(c.dst, c.src, 16);
     else std::memset(c.dst, 0, 16);

@@ -4,6 +4,9 @@
 // through their descriptors (element (r, k) at start + (r / 8) * SBO + (r % 8) * 128 + 2 k, with
 // bits 4-6 of the address XORed by bits 7-9), and every thread's accumulators are written as the
 // m64nNk16 layout in wgmma.cu describes. Only the descriptors wgmma.cu builds are accepted.
+// The register-A form (WgmmaRATB) keeps a pointer to each thread's four A registers and reads
+// them when the product runs: at issue, or late at its wait, so registers changed before the
+// wait show.
 #pragma once
 
 typedef unsigned long long u64_t;
@@ -32,6 +35,7 @@ struct SimWgmma {
     u64_t a, b;
     int scale_d;
     float* acc[128];
+    const unsigned* areg[128];  // register A: each thread's a[0..3]; else unused
 };
 struct SimWgmmaQueue {
     std::vector<SimWgmma> open;
@@ -118,15 +122,11 @@ inline void sim_check_desc(u64_t desc) {
     }
 }
 
+// d (+)= A B^T for a wgmma whose A has been read: B through its descriptor, every thread's
+// accumulators in the m64nNk16 layout.
 template <int N, bool TB>
-struct SimWgmmaOf {
-    static void run(const SimWgmma& w) {
-        sim_check_desc(w.a);
-        if (TB) sim_check_mn_desc(w.b);
-        else sim_check_desc(w.b);
-        float A[64][16], B[N][16];
-        for (int r = 0; r < 64; ++r)
-            for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(w.a, r, k);
+inline void sim_wgmma_product(const float (&A)[64][16], const SimWgmma& w) {
+    float B[N][16];
         for (int n = 0; n < N; ++n)
             for (int k = 0; k < 16; ++k) B[n][k] = TB ? sim_operand_mn(w.b, n, k) : sim_operand(w.b, n, k);
         for (int t = 0; t < 128; ++t) {
@@ -139,13 +139,25 @@ struct SimWgmmaOf {
                 acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
             }
         }
+}
+
+template <int N, bool TB>
+struct SimWgmmaOf {
+    static void run(const SimWgmma& w) {
+        sim_check_desc(w.a);
+        if (TB) sim_check_mn_desc(w.b);
+        else sim_check_desc(w.b);
+        float A[64][16];
+        for (int r = 0; r < 64; ++r)
+            for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(w.a, r, k);
+        sim_wgmma_product<N, TB>(A, w);
     }
     static void mma(float* d, u64_t a, u64_t b, int scale_d) {
         sim::Block* blk = sim::block();
         const int tid = (int)sim::me().tid.x, wg = tid / 128;
         blk->wg_acc[tid] = d;
         sim::group_barrier(32 + wg, 128, [&] {
-            SimWgmma w{run, a, b, scale_d, {}};
+            SimWgmma w{run, a, b, scale_d, {}, {}};
             for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
             if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
             else run(w);
@@ -157,3 +169,42 @@ template <int N>
 struct Wgmma : SimWgmmaOf<N, false> {};
 template <int N>
 struct WgmmaTB : SimWgmmaOf<N, true> {};
+
+// The register-A form: A [64][16] from the warpgroup's registers, thread t (warp w = t / 32,
+// g = (t % 32) / 4, c = t % 4) holding a[0] = (16 w + g, k 2c..2c+1), a[1] = (16 w + g + 8, same),
+// a[2] = (16 w + g, k 8 + 2c..), a[3] = (16 w + g + 8, k 8 + 2c..), the lower k in the low half.
+template <int N, bool TB>
+struct SimWgmmaRegA {
+    static void run(const SimWgmma& w) {
+        if (TB) sim_check_mn_desc(w.b);
+        else sim_check_desc(w.b);
+        float A[64][16];
+        for (int t = 0; t < 128; ++t) {
+            const int r = 16 * (t / 32) + (t % 32) / 4, c = t % 4;
+            for (int i = 0; i < 4; ++i) {
+                const int row = r + 8 * (i % 2), k = 8 * (i / 2) + 2 * c;
+                A[row][k] = __uint_as_float(w.areg[t][i] << 16);
+                A[row][k + 1] = __uint_as_float(w.areg[t][i] & 0xffff0000u);
+            }
+        }
+        sim_wgmma_product<N, TB>(A, w);
+    }
+    static void mma(float* d, const unsigned* a, u64_t b, int scale_d) {
+        sim::Block* blk = sim::block();
+        const int tid = (int)sim::me().tid.x, wg = tid / 128;
+        blk->wg_acc[tid] = d;
+        blk->wg_areg[tid] = a;
+        sim::group_barrier(32 + wg, 128, [&] {
+            SimWgmma w{run, 0, b, scale_d, {}, {}};
+            for (int t = 0; t < 128; ++t) {
+                w.acc[t] = blk->wg_acc[wg * 128 + t];
+                w.areg[t] = blk->wg_areg[wg * 128 + t];
+            }
+            if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
+            else run(w);
+        });
+    }
+    static void pin(float*) {}
+};
+template <int N>
+struct WgmmaRATB : SimWgmmaRegA<N, true> {};

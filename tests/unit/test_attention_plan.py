@@ -50,6 +50,12 @@ def test_prefill_tilings_size_their_blocks():
     wgv = attention_kernel(4, 1000, 128, prefill="wgv")  # V as K: no staging, no Vt; a third stage
     k_tile, v_staging, vt = 64 * 256, 64 * 136 * 2, 128 * 128
     assert wgv.smem == wgp.smem - 2 * v_staging - 2 * vt + 2 * k_tile + (2 * k_tile + 64 * 4)
+    # wgr: 128-key tiles (K and V 32 KB each a stage), three stages, no P buffers: just within the
+    # 232,448 bytes (227 KB) an sm_90 block may opt into
+    wgr = attention_kernel(4, 1000, 128, prefill="wgr")
+    assert (wgr.name, wgr.row_tiles, wgr.threads) == ("attention_wgr_d128_prefill", 32, 256)
+    assert wgr.smem == 1024 + 128 * 256 + 3 * (2 * 128 * 256 + 128 * 4) + 16 == 231952
+    assert wgr.smem <= 227 * 1024
     # no wgmma kernel for head dim 64: the fallback tiling
     assert attention_kernel(4, 1000, 64, prefill="wg").name == "attention_tc_d64_prefill"
     # decode rows keep their kernels whatever the prefill tiling

@@ -120,7 +120,7 @@ def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, h
     ([64, 200], [600, 200], 8, 2),  # a chunk deep in its context beside a whole prompt
     ([33, 1, 90], [97, 5, 90], 16, 2),  # group 8, a decode row among prompts, partial tiles
 ])
-@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv"])
+@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr"])
 @pytest.mark.parametrize("order", [0, 1, 2, 3], ids=["round-robin", "low-first", "high-first", "random"])
 def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk, order):
     """attention_wg.cu (wgmma, warpgroups of 64 rows) on more shapes than the shared cases, with
@@ -128,6 +128,18 @@ def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk, or
     order that lets one run ahead shows a barrier missing between them."""
     name = _check(sim, np.random.default_rng(5), q_lens, ctx_lens, hq, hk, 128, tiling=tiling, order=order)
     assert name == PREFILL_TILINGS[tiling].kernel.format(d=128)
+
+
+@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr"])
+@pytest.mark.parametrize("late,order", [(True, 0), (False, 0), (False, 1), (False, 2)],
+                         ids=["late", "early", "early-low-first", "early-high-first"])
+def test_wgmma_prefill_over_many_key_tiles(sim, tiling, late, order):
+    """Chunks deep in their contexts, so that every stage of the K/V pipeline is refilled
+    several times (seven 128-key tiles, fourteen of 64): a stage refilled while a product still
+    reads it shows when copies land at issue, one read before its copy landed when they land
+    late. The shared cases above have at most three 128-key tiles, too few for wgr's stages."""
+    _check(sim, np.random.default_rng(17), [40, 3], [900, 700], 8, 2, 128, tiling=tiling, late=late,
+           order=order)
 
 
 @pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
@@ -181,10 +193,10 @@ def test_the_simulator_sees_a_wrong_fragment_layout(sim):
     assert _rel_err(out, wrong) > 0.1
 
 
-@pytest.mark.parametrize("tiling", ["r64", "m2", "wgp", "wgv"])
+@pytest.mark.parametrize("tiling", ["r64", "m2", "wgp", "wgv", "wgr"])
 def test_a_plan_short_of_shared_memory_fails_the_launch(sim, tiling):
     """The simulator guards the bytes after a launch's shared memory, so the sizes
-    attention_plan computes by hand (tc_smem, wg_smem) are checked against what the kernels
+    attention_plan computes by hand (tc_smem, wg_smem, wgr_smem) are checked against what the kernels
     write: the plan passes above, and 4 KB less fails."""
     q, kc, vc, qsl, seq_lens, table = _paged_batch(np.random.default_rng(1), [150], [150], 8, 2, 128, 16)
     plan = attention_kernel(4, 150, 128, prefill=tiling)

@@ -2,7 +2,9 @@
 m64nNk16 accumulator layout) is checked against a kernel proven on the H200: bench/streamk_gemm.cu,
 the stream-K GEMM whose outputs matched cuBLAS there (bench/NOTES_CUDA.md). Run on the host, it
 must give x . w^T too, with split tiles summed across CTAs. Kernels built on vt/kernels/wgmma.cu
-can then be checked on the host with some trust that what passes here runs the same on Hopper."""
+can then be checked on the host with some trust that what passes here runs the same on Hopper.
+The register-A form (O += P V with P in registers), which the probe does not use, is checked
+against numpy here too, with the wait it needs."""
 
 from __future__ import annotations
 
@@ -70,3 +72,90 @@ def test_streamk_gemm_on_the_simulator_matches_numpy(sk, rows, ctas, accumulate)
     err = np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref)
     assert err < 1e-2
     assert not counters.any()  # the last part of every split tile reset its counter
+
+
+# O += P V's form with A from registers (wgmma.cu's WgmmaRATB): a warpgroup multiplies A [64][16],
+# each thread's four registers loaded by the PTX manual's fragment layout (mma.m16n8k16's A per
+# warp), by B [16][128] stored N-major for sw128_mn_desc (two 64-n halves of [16 k][128 B], the
+# 128-byte swizzle). clobber zeroes the registers after the issue, before the wait: the product
+# must not see that when it reads A at issue, and must when it reads A at the wait ("late").
+_REG_A_PROBE = r"""
+extern "C" __global__ void wgmma_reg_a_probe(const bf16_t* a, const bf16_t* b, float* d, int clobber) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
+    const int t = threadIdx.x, w = t / 32, g = (t % 32) / 4, c = t % 4;
+    for (int e = t; e < 16 * 16; e += 128) {  // k row, 16-byte chunk of 8 n
+        const int k = e / 16, ch = e % 16;
+        const unsigned dst = sw128_at(base + (ch / 8) * 2048, k, ch % 8);
+        for (int i = 0; i < 4; ++i)
+            st_shared_u32(dst + 4 * i, *reinterpret_cast<const unsigned*>(b + k * 128 + ch * 8 + 2 * i));
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const int r = 16 * w + g;
+    unsigned ra[4];
+    ra[0] = *reinterpret_cast<const unsigned*>(a + r * 16 + 2 * c);
+    ra[1] = *reinterpret_cast<const unsigned*>(a + (r + 8) * 16 + 2 * c);
+    ra[2] = *reinterpret_cast<const unsigned*>(a + r * 16 + 8 + 2 * c);
+    ra[3] = *reinterpret_cast<const unsigned*>(a + (r + 8) * 16 + 8 + 2 * c);
+    float acc[64];
+    for (int j = 0; j < 64; ++j) acc[j] = 0.f;
+    wgmma_fence();
+    WgmmaRATB<128>::mma(acc, ra, sw128_mn_desc(base, 2048), 0);
+    wgmma_commit();
+    if (clobber)
+        for (int i = 0; i < 4; ++i) ra[i] = 0u;
+    wgmma_wait<0>();
+    WgmmaRATB<128>::pin(acc);
+    for (int j = 0; j < 64; ++j)
+        d[(r + 8 * ((j / 2) % 2)) * 128 + 8 * (j / 4) + 2 * c + j % 2] = acc[j];
+}
+extern "C" int sim_wgmma_reg_a_probe(const bf16_t* a, const bf16_t* b, float* d, int clobber) {
+    return sim::launch(1, 1, 1, 128, 2 * 2048 + 1024, [&] { wgmma_reg_a_probe(a, b, d, clobber); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def reg_a():
+    from vt.kernels.sources import read_source
+
+    wrappers = SIM_WRAPPERS["tensor_core.cu"] + SIM_WRAPPERS["wgmma.cu"]
+    src = host_source(read_source("cuda_common.cu") + wrappers + _REG_A_PROBE)
+    try:
+        lib = compile_host("wgmma_reg_a_probe", src)
+    except SimUnavailable as e:
+        pytest.skip(str(e))
+    lib.sim_wgmma_reg_a_probe.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    return lib
+
+
+def _reg_a_product(lib, a, b, late, clobber):
+    d = np.zeros((64, 128), np.float32)
+    lib.sim_set_timing(0, int(late), ctypes.c_uint(0))
+    assert lib.sim_wgmma_reg_a_probe(a.ctypes.data, b.ctypes.data, d.ctypes.data, int(clobber)) == 0
+    return d
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["at-issue", "late"])
+def test_register_a_wgmma_matches_numpy(reg_a, late):
+    rng = np.random.default_rng(21)
+    a, b = _bf16(rng.standard_normal((64, 16))), _bf16(rng.standard_normal((16, 128)))
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    d = _reg_a_product(reg_a, a, b, late, clobber=False)
+    assert np.abs(d - ref).max() < 1e-4 * np.abs(ref).max()
+    # a transposed fragment (rows g + 8 and k 8.. swapped) would not match
+    wrong = a.reshape(4, 2, 8, 2, 8).transpose(0, 3, 2, 1, 4).reshape(64, 16).astype(np.float64) @ b
+    assert np.abs(d - wrong).max() > 0.1 * np.abs(ref).max()
+
+
+def test_register_a_changed_before_the_wait_is_caught_late(reg_a):
+    """A kernel that overwrites the A registers before the wgmma_wait retiring their product
+    computes garbage on Hopper; the simulator shows it when products land at their waits."""
+    rng = np.random.default_rng(22)
+    a, b = _bf16(rng.standard_normal((64, 16))), _bf16(rng.standard_normal((16, 128)))
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    early = _reg_a_product(reg_a, a, b, late=False, clobber=True)
+    late = _reg_a_product(reg_a, a, b, late=True, clobber=True)
+    assert np.abs(early - ref).max() < 1e-4 * np.abs(ref).max()  # read at issue: the registers then
+    assert not late.any()  # read at the wait: the zeroed registers

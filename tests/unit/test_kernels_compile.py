@@ -29,7 +29,8 @@ def test_kernel_file_compiles_for_hopper(reports, fname):
 def test_tensor_core_attention_fits_its_registers(reports):
     res = {r.name: r for f in ("attention_tc.cu", "attention_wg.cu") for r in nvrtc.resources(reports[f][1])}
     assert {"attention_tc_d128_prefill", "attention_tc_d128_prefill_m2", "attention_tc_d128_prefill_w8",
-            "attention_tc_d128_decode", "attention_tc_d128_decode8", "attention_wg_d128_prefill"} <= set(res)
+            "attention_tc_d128_decode", "attention_tc_d128_decode8", "attention_wg_d128_prefill",
+            "attention_wgv_d128_prefill", "attention_wgr_d128_prefill"} <= set(res)
     for r in res.values():
         assert r.spill_stores == 0 and r.spill_loads == 0, r
 

@@ -32,21 +32,30 @@ __device__ __forceinline__ void load_q_frags(unsigned int (&qa)[D / 16][4], cons
 }
 
 // Scores of 16 rows (a: g, b: g + 8 of the m-tile) over 8 * NS keys from kbase, masked
-// causally, through the online softmax: updates (m, l), leaves P as the bf16 A fragments of the
-// P.V product (pa[n]: n-tile n's rows a, b), and returns the factors (corr_a, corr_b) the
-// accumulated output must be scaled by before P.V is added.
-template <int NS>
-__device__ __forceinline__ float2 softmax_scores(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
-                                                 float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
-                                                 unsigned int (&pa)[NS][2]) {
+// causally, through the online softmax: updates (m, l), leaves the weights P in s as floats, and
+// returns the factors (corr_a, corr_b) the accumulated output must be scaled by before P.V is
+// added. The running maxima are kept in log2 units (scores times scale_log2); the scores
+// themselves are scaled inside the exponent's fused multiply-add (the softmax is most of a
+// prompt tile's instructions). SKIP_WHOLE: tiles wholly visible to both rows (in a long prompt,
+// almost all) skip the mask on a branch; the kernels whose registers are tight (ptxas then
+// spills) mask every tile.
+template <int NS, bool SKIP_WHOLE = false>
+__device__ __forceinline__ float2 softmax_weights(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
+                                                  float scale_log2, float& m_a, float& m_b, float& l_a,
+                                                  float& l_b) {
+    if (!SKIP_WHOLE || kbase + 8 * NS - 1 > min(pos_a, pos_b)) {
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            const int k0 = kbase + n * 8 + 2 * c;
+            s[n][0] = k0 <= pos_a ? s[n][0] : -VT_INF;
+            s[n][1] = k0 + 1 <= pos_a ? s[n][1] : -VT_INF;
+            s[n][2] = k0 <= pos_b ? s[n][2] : -VT_INF;
+            s[n][3] = k0 + 1 <= pos_b ? s[n][3] : -VT_INF;
+        }
+    }
     float mx_a = -VT_INF, mx_b = -VT_INF;
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
-        const int k0 = kbase + n * 8 + 2 * c;
-        s[n][0] = k0 <= pos_a ? s[n][0] * scale_log2 : -VT_INF;
-        s[n][1] = k0 + 1 <= pos_a ? s[n][1] * scale_log2 : -VT_INF;
-        s[n][2] = k0 <= pos_b ? s[n][2] * scale_log2 : -VT_INF;
-        s[n][3] = k0 + 1 <= pos_b ? s[n][3] * scale_log2 : -VT_INF;
         mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
         mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
     }
@@ -54,25 +63,41 @@ __device__ __forceinline__ float2 softmax_scores(float (&s)[NS][4], int kbase, i
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    // scale_log2 > 0, so the maximum of the scaled scores is the scaled maximum (-inf stays).
+    const float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
     // A row with no visible key yet keeps m = -inf: use 0 as the base so exp2 gives 0, not NaN.
     const float base_a = mn_a == -VT_INF ? 0.f : mn_a, base_b = mn_b == -VT_INF ? 0.f : mn_b;
-    const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+    const float corr_a = ex2_ftz(m_a - base_a), corr_b = ex2_ftz(m_b - base_b);
     m_a = mn_a;
     m_b = mn_b;
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
-        const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
-        const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
-        sum_a += p0 + p1;
-        sum_b += p2 + p3;
-        pa[n][0] = pack2_rn(p0, p1);
-        pa[n][1] = pack2_rn(p2, p3);
+        s[n][0] = ex2_ftz(fmaf(s[n][0], scale_log2, -base_a));
+        s[n][1] = ex2_ftz(fmaf(s[n][1], scale_log2, -base_a));
+        s[n][2] = ex2_ftz(fmaf(s[n][2], scale_log2, -base_b));
+        s[n][3] = ex2_ftz(fmaf(s[n][3], scale_log2, -base_b));
+        sum_a += s[n][0] + s[n][1];
+        sum_b += s[n][2] + s[n][3];
     }
     l_a = l_a * corr_a + sum_a;
     l_b = l_b * corr_b + sum_b;
     return make_float2(corr_a, corr_b);
+}
+
+// softmax_weights, with P packed as the bf16 A fragments of the P.V product (pa[n]: n-tile n's
+// rows a, b).
+template <int NS, bool SKIP_WHOLE = false>
+__device__ __forceinline__ float2 softmax_scores(float (&s)[NS][4], int kbase, int c, int pos_a, int pos_b,
+                                                 float scale_log2, float& m_a, float& m_b, float& l_a, float& l_b,
+                                                 unsigned int (&pa)[NS][2]) {
+    const float2 corr = softmax_weights<NS, SKIP_WHOLE>(s, kbase, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        pa[n][0] = pack2_rn(s[n][0], s[n][1]);
+        pa[n][1] = pack2_rn(s[n][2], s[n][3]);
+    }
+    return corr;
 }
 
 template <int DN>

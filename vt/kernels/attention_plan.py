@@ -31,6 +31,15 @@ def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int
             + stages * 64 * 4)
 
 
+def wgr_smem(stages: int = 3) -> int:
+    """Dynamic shared memory of attention_wg.cu's wgr block (head dim 128, 128 rows, 128-key
+    tiles): the 1024-byte alignment pad, Q [2][128][128 B], per stage a swizzled K tile and a V
+    tile stored like it ([2][128 keys][128 B] each), the cache row offsets of 128 keys a stage,
+    and 16 bytes for the word the softmax's sums are stored to. Three stages come to 231,952
+    bytes, within Hopper's 232,448 a block."""
+    return 1024 + 2 * 128 * 128 + stages * (2 * 2 * 128 * 128 + 128 * 4) + 16
+
+
 class PrefillTiling(NamedTuple):
     """How prompts are tiled on tensor cores: the kernel (`{d}` the head dim), the head dims it
     has, rows of a block, its threads, and its dynamic shared memory for head dim d (the
@@ -55,9 +64,11 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
 # (bench/attn_tilings.py, bench/RESULTS.md): wgv is the fastest on every case, 1.4-1.8x r64, and
-# the default; a GPU without sm_90 (or a head dim wgv lacks) runs r64. VT_PREFILL_TILING picks
-# one for a benchmark. The shared memory follows each entry's template arguments in
-# attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read directly).
+# the default; wgr (wgv with P kept in registers as wgmma's register A, 128-key tiles, K loaded
+# two tiles ahead) is the next candidate. A GPU without sm_90 (or a head dim wgv lacks) runs
+# r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory follows each entry's
+# template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read
+# directly; wgr_smem for wgr's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES)),
     "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256,
@@ -68,6 +79,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2, 2), True),
     "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256,
                          lambda d: wg_smem(2, 3, 2, v_direct=True), True),
+    "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True),
 }
 DEFAULT_PREFILL_TILING = "wgv"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)

@@ -542,7 +542,7 @@ ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES)
 // Prefill tilings of 128 rows (attention_plan.PREFILL_TILINGS): eight warps of one m-tile, or
 // four warps of two m-tiles with Q in shared memory and two K/V stages (two blocks an SM).
 #define ATTENTION_TC_PREFILL_ENTRY(NAME, D, NW, MT, STAGES, KSUB)                                \
-    extern "C" __global__ void __launch_bounds__(32 * NW) NAME(ATTN_TC_PARAMS) {                   \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1) NAME(ATTN_TC_PARAMS) {                \
         attention_tc_prefill_body<D, NW, MT, STAGES, KSUB>(ATTN_TC_ARGS);                          \
     }
 

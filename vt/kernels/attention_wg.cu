@@ -24,6 +24,22 @@
 #define WG_SROW (WG_D + 8)                          // V staging row (bf16), ldmatrix conflict free
 #define WG_K_BYTES (2 * WG_KT * 128)                // a K tile: two 64-dim halves of 64 rows
 
+// The block's Q rows (row r of the block is (token q0 + (row0 + r) / group, head kh * group +
+// (row0 + r) % group); rows past nrows are zero) into two swizzled 64-dim halves at q_s, by
+// cp.async from every thread.
+template <int ROWS, int NT>
+__device__ __forceinline__ void copy_q_sw128(unsigned q_s, const bf16_t* __restrict__ q, int q_stride, int row0,
+                                             int nrows, int group, int q0, int kh, int tid) {
+    constexpr int PARTS = WG_D / 8;  // 16-byte pieces of a head row
+    for (int e = tid; e < ROWS * PARTS; e += NT) {
+        const int lr = e / PARTS, part = e % PARTS, r = row0 + lr;
+        const bool ok = r < nrows;
+        const bf16_t* src = ok ? q + (size_t)(q0 + r / group) * q_stride + (size_t)(kh * group + r % group) * WG_D + part * 8
+                               : q;
+        cp_async16_u32(sw128_at(q_s + (part / 8) * (ROWS * 128), lr, part % 8), src, ok ? 16 : 0);
+    }
+}
+
 template <int NWG, int STAGES, bool OVERLAP, bool VDIRECT>
 __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     constexpr int NT = 128 * NWG;
@@ -105,13 +121,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     __syncthreads();
     // Q, zero rows past the sequence's, then the first STAGES - 1 tiles: group i holds tile i
     // (group 0 also Q).
-    for (int e = tid; e < ROWS * PARTS; e += NT) {
-        const int lr = e / PARTS, part = e % PARTS, r = row0 + lr;
-        const bool ok = r < nrows;
-        const bf16_t* src = ok ? q + (size_t)(q0 + r / group) * q_stride + (size_t)(kh * group + r % group) * WG_D + part * 8
-                               : q;
-        cp_async16_u32(sw128_at(q_s + (part / 8) * (ROWS * 128), lr, part % 8), src, ok ? 16 : 0);
-    }
+    copy_q_sw128<ROWS, NT>(q_s, q, q_stride, row0, nrows, group, q0, kh, tid);
     for (int i = 0; i < AHEAD; ++i) {
         if (tile0 + i < tile1) load(tile0 + i);
         cp_async_commit();
@@ -219,7 +229,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
             wgmma_wait<1>();  // S has landed; the P V may still run
             Wgmma<64>::pin(&s[0][0]);
             unsigned int pa[8][2];
-            const float2 corr = softmax_scores<8>(s, tile * WG_KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a,
+            const float2 corr = softmax_scores<8, true>(s, tile * WG_KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a,
                                                   l_b, pa);
             store_p(pa, buf);
             wgmma_wait<0>();
@@ -270,3 +280,196 @@ ATTENTION_WG_ENTRY(attention_wg_d128_prefill, 2, 2, false, false)
 ATTENTION_WG_ENTRY(attention_wg3_d128_prefill, 3, 2, false, false)
 ATTENTION_WG_ENTRY(attention_wgp_d128_prefill, 2, 2, true, false)
 ATTENTION_WG_ENTRY(attention_wgv_d128_prefill, 2, 3, true, true)
+
+// wgr: wgv's data flow with P kept in registers and 128-key tiles. Per tile of 128 keys, S = Q K^T
+// is one m64n128 chain (8 k-steps over the head dim) per warpgroup; its accumulators, mma.m16n8's
+// C fragments n-tile after n-tile, go through the softmax and are packed into bf16 pairs
+// pa[16][2] (pa[n][0]: row g, keys 8n + 2c, +1; pa[n][1]: row g + 8), which are already wgmma's
+// register A fragments of P: k-step kk (keys 16 kk ..) is {pa[2kk][0], pa[2kk][1],
+// pa[2kk+1][0], pa[2kk+1][1]}, four consecutive words. O += P V is then an m64n128 chain of 8
+// such k-steps with V read N-major where it lands: no P buffer, no shared-memory round trip.
+// Step t issues S(t), then P(t-1) V(t-1) from pa; S(t)'s softmax runs while that product does,
+// leaving P(t) as floats in S's registers, and only once the product is waited for are O
+// rescaled and P(t) packed into pa, which the product read until then.
+// K and V arrive on separate schedules: S(t) needs K(t) in step t, P V reads V(t) in step t + 1.
+// Step t's copies (one cp.async group) are K(t + 2) and V(t + 1), into the stages last read by
+// S(t - 1) and P(t - 2) V(t - 2), both retired before step t's barrier: three stages keep K two
+// tiles ahead and V one, with one barrier a tile.
+//
+// Shared memory, from a 1024-aligned base: Q [2 halves of the head dim][128 rows][128 B] (32 KB),
+// K [3][2][128 keys][128 B] (96 KB), V likewise (96 KB), the cache row offsets [3][128], a
+// 16-byte sink: attention_plan.wgr_smem (231,952 bytes with the alignment pad, of the 232,448 an
+// sm_90 block may have). A K or V half [128 keys][128 B] is K-major for S (n = key) and, for
+// P V, the N-major B of 64 dims: 8 keys of 128 B an atom, the next 8 keys 1024 bytes on, the
+// other 64 dims a half (16 KB, the leading offset) on; a k-step of 16 keys is 2048 bytes.
+
+#define WGR_KT 128                 // keys a tile
+#define WGR_HALF (WGR_KT * 128)    // a K or V tile's 64-dim half: [128 keys][128 B]
+#define WGR_TILE (2 * WGR_HALF)    // a K or V tile, 32 KB
+#define WGR_STAGES 3
+
+__device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
+    constexpr int NT = 256, ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
+    constexpr int Q_BYTES = 2 * ROWS * 128;
+    constexpr int PARTS = WG_D / 8;            // 16-byte pieces of a head row
+    constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, KT, true);
+    if (ab.row0 >= ab.nrows) return;
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    // A split past the keys has tile1 < tile0: no tiles, and its one P V reads the zeroed stage.
+    const int tile0 = ab.tile0, tile1 = max(ab.tile1, ab.tile0);
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    const int g = lane >> 2, c = lane & 3;
+
+    const unsigned raw = smem_u32(smem);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* gbase = smem + (base - raw);
+    const unsigned q_s = base;
+    const unsigned k_s = base + Q_BYTES;                // K stage s at k_s + s * WGR_TILE
+    const unsigned v_s = k_s + STAGES * WGR_TILE;       // V likewise
+    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + Q_BYTES + 2 * STAGES * WGR_TILE);
+    const unsigned sink = base + Q_BYTES + 2 * STAGES * WGR_TILE + STAGES * KT * 4;  // a word never read
+    const int* table = block_tables + (size_t)b * max_blocks;
+
+    const int ra = row0 + wg * 64 + warp * 16 + g, rb = ra + 8;
+    const int pos_a = ra < nrows ? ctx - qlen + ra / group : -1;
+    const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
+
+    // The cache row (in 16-byte units) of each key of `tile`, into its offset slot (warpgroup 0,
+    // a key a thread); 0, a valid address the copies read nothing from, for keys past kv_end.
+    auto fetch = [&](int tile) {
+        if (tid < KT && tile < tile1) {
+            const int kpos = tile * KT + tid;
+            unsigned int off = 0u;
+            if (kpos < kv_end) {
+                const size_t blk = (size_t)table[kpos / block_size];
+                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
+            }
+            off_s[(tile % STAGES) * KT + tid] = off;
+        }
+    };
+    // One K or V tile into its stage of `slots`: this thread's piece `part` of keys key0 + 16 i.
+    // Rows 16 apart keep the swizzle's chunk, so the destinations are 2048 bytes apart; keys
+    // past kv_end are zero-filled. A copy is an offset load, one wide multiply-add and the
+    // cp.async: the copies are most of a step's instructions outside the softmax.
+    const int key0 = tid / PARTS, part = tid % PARTS;
+    const unsigned dst0 = (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
+    auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
+        const unsigned dst = slots + (tile % STAGES) * WGR_TILE + dst0;
+        const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
+        const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
+        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with 16 i < valid are real
+        // The offsets first: read between the copies (whose asm clobbers memory), each read
+        // costs a shared-load round trip and ptxas pads every copy after one.
+        unsigned int off[COPIES];
+#pragma unroll
+        for (int i = 0; i < COPIES; ++i) off[i] = offs[i * (NT / PARTS)];
+#pragma unroll
+        for (int i = 0; i < COPIES; ++i)
+            cp_async16_u32(dst + i * (NT / PARTS) * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
+                           i * (NT / PARTS) < valid ? 16 : 0);
+    };
+
+    for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
+    grid_dependency_wait();  // q and this step's K/V come from the kernel before
+    __syncthreads();
+    // Q (zero rows past the sequence's) and K(tile0); then K(tile0 + 1) and V(tile0): the groups
+    // steps tile0 - 2 and tile0 - 1 would have issued.
+    copy_q_sw128<ROWS, NT>(q_s, q, q_stride, row0, nrows, group, q0, kh, tid);
+    if (tile0 < tile1) copy_tile(tile0, k_s, k_cache);
+    cp_async_commit();
+    if (tile0 + 1 < tile1) copy_tile(tile0 + 1, k_s, k_cache);
+    if (tile0 < tile1) copy_tile(tile0, v_s, v_cache);
+    cp_async_commit();
+    // The first step's P V multiplies a zero P by the V stage of tile0 - 1, which no copy fills
+    // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN.
+    {
+        const unsigned vz = v_s + ((tile0 + STAGES - 1) % STAGES) * WGR_TILE;
+        for (int e = tid; e < WGR_TILE / 4; e += NT) st_shared_u32(vz + e * 4, 0u);
+    }
+
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
+    unsigned int pa[16][2];  // the P whose product is pending: the last tile's
+#pragma unroll
+    for (int n = 0; n < 16; ++n) { pa[n][0] = 0u; pa[n][1] = 0u; }
+
+    // Tile t's K and the V of t - 1 have landed for every thread (the group issued two steps
+    // ago), the zeroed V too, and every warpgroup has retired the products that read what this
+    // step refills; then the refill: K(t + 2), V(t + 1). (The step's fetch, of tile t + 3's
+    // offsets into the slot tile t's held, comes after its products are issued: the block
+    // table's load then waits behind them, not before them.)
+    auto next_tile = [&](int tile) {
+        cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        if (tile + 2 < tile1) copy_tile(tile + 2, k_s, k_cache);
+        if (tile + 1 < tile1) copy_tile(tile + 1, v_s, v_cache);
+        cp_async_commit();
+    };
+    // S = Q K^T of `tile`, this warpgroup's 64 rows x 128 keys, issued.
+    auto issue_s = [&](int tile, float (&s)[16][4]) {
+        const unsigned kt = k_s + (tile % STAGES) * WGR_TILE;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
+        wgmma_fence();  // also orders the last step's writes of o and pa before the products below
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + wg * 64 * 128 + (kk % 4) * 32;
+            Wgmma<128>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32), kk > 0);
+        }
+        wgmma_commit();
+    };
+    // O += P V of `vtile` (P in pa), issued: k-step kk takes pa[2kk], pa[2kk + 1] and V's keys
+    // 16 kk .. 16 kk + 15.
+    auto issue_pv = [&](int vtile) {
+        const unsigned vt = v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+            WgmmaRATB<128>::mma(&o[0][0], &pa[2 * kk][0], sw128_mn_desc(vt + kk * 2048, WGR_HALF), 1);
+        wgmma_commit();
+    };
+
+    // As wgv's loop: no wgmma on a branch (ptxas would serialize them all), so the first P V
+    // multiplies a zero P, and tiles past a warpgroup's last row are computed fully masked.
+    for (int tile = tile0; tile < tile1; ++tile) {
+        next_tile(tile);
+        float s[16][4];
+        issue_s(tile, s);
+        issue_pv(tile - 1);
+        fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
+        wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
+        Wgmma<128>::pin(&s[0][0]);
+        const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+        // ptxas moves a wait up past arithmetic but not past a shared-memory store: storing
+        // the row sums, which need every exponential of the tile, keeps the softmax before it.
+        st_shared_u32(sink, __float_as_uint(l_a + l_b));
+        wgmma_wait<0>();
+        Wgmma<128>::pin(&o[0][0]);
+        rescale_m_tile<16>(o, corr);
+        // P into the registers the product has finished reading: n-tile n's rows g and g + 8
+#pragma unroll
+        for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
+    }
+    next_tile(tile1);  // the last V landed for every thread (nothing is copied any more)
+    wgmma_fence();
+    issue_pv(tile1 - 1);
+    wgmma_wait<0>();
+    Wgmma<128>::pin(&o[0][0]);
+    cp_async_wait<0>();
+
+    store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
+                       total_tokens, num_splits, out, part_o, part_ml);
+}
+
+#define ATTENTION_WGR_ENTRY(NAME)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
+        attention_wgr_body(ATTN_TC_ARGS);                                                         \
+    }
+
+ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill)

@@ -42,6 +42,7 @@ from vt.kernels.sources import ARCH_KERNEL_FILES, KERNEL_FILES, translation_unit
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
 _NUM_SLOTS = 2
 _ATTN_SMEM_MAX = 200 * 1024
+_SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
 _GREEDY_EPS = 1e-5
 _SAMPLE_SPLIT_MIN = 16384  # fewest logits per block when a sampler row is split
 _LOG2E = 1.4426950408889634
@@ -245,7 +246,7 @@ class CudaBackend:
             smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for k in t.kernels()):
                 fn = module.get_function(name)
-                driver.funcSetAttribute(fn.ptr, smem_attr, _ATTN_SMEM_MAX)
+                driver.funcSetAttribute(fn.ptr, smem_attr, _SM90_SMEM_MAX)
                 fns[name] = fn
         self._kernels.update(fns)
         return ""

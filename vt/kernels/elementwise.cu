@@ -141,7 +141,7 @@ __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) 
 // rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
 // (the input norm, its weight folded into the qkv projection), then bias (may be null) is
 // added, and the rounded values are written back into q, k and v.
-extern "C" __global__ void qk_norm_rope_write_kv_k(
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
     bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, bf16_t* __restrict__ v,
     int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,
     const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache,
@@ -159,7 +159,25 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
     const int partner = (lane & ~(g - 1)) | (sub * 8 < half ? sub + span : sub - span);
     const bool first = sub * 8 < half, lane_live = sub * 8 < d;
     const bool prescale = rms_of != nullptr || bias != nullptr;
+    const int base0 = blockIdx.x * groups, base_step = gridDim.x * groups;
     for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        // Row `row` of this token: its q, k or v head.
+        auto row_at = [&](int row) -> bf16_t* {
+            const bool is_v = row >= hq + hk, is_q = row < hq;
+            const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
+            return is_q ? q + (size_t)t * q_stride + (size_t)h * d
+                 : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
+        };
+        // This lane's 8 elements of the row its group takes at `base` (zeros past the rows).
+        auto load_row = [&](int base, float (&f)[8]) {
+            const int row = base + (int)threadIdx.x / g;
+            if (lane_live && row < rows) load8(row_at(row) + sub * 8, f);
+            else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+        };
+        // The first row is loaded before the token's tables are made, and each later one while
+        // the one before is computed: a block's rows are otherwise a chain of dependent loads.
+        float f[8];
+        load_row(base0, f);
         const long long slot = slot_mapping[t];
         const bool cache = slot >= 0 && slot < num_slots;
         const float pos = (float)positions[t];
@@ -169,16 +187,15 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
             rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
         __syncthreads();
         // Every lane of a warp runs every iteration (the shuffles need them all).
-        for (int base = blockIdx.x * groups; base < rows; base += gridDim.x * groups) {
+        for (int base = base0; base < rows; base += base_step) {
+            const bool more = base + base_step < rows;
+            float fn[8];
+            if (more) load_row(base + base_step, fn);
             const int row = base + (int)threadIdx.x / g;
             const bool mine = lane_live && row < rows;
             const bool is_v = row >= hq + hk, is_q = row < hq;
             const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
-            bf16_t* xr = is_q ? q + (size_t)t * q_stride + (size_t)h * d
-                       : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
-            float f[8];
-            if (mine) load8(xr + sub * 8, f);
-            else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+            bf16_t* xr = row_at(row);
             if (mine && prescale) scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + sub * 8 : nullptr);
             if (q_norm != nullptr) {  // both norms or neither (the host checks)
                 float ss = 0.f;
@@ -193,20 +210,20 @@ extern "C" __global__ void qk_norm_rope_write_kv_k(
             }
             float other[8];
             for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner);
-            if (!mine) continue;
-            if (is_v) {  // v head: into the cache (and back into v when scaled)
+            if (mine && is_v) {  // v head: into the cache (and back into v when scaled)
                 if (prescale) store8(xr + sub * 8, f);
                 if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + sub * 8, f);
-                continue;
+            } else if (mine) {
+                float r[8];
+                for (int e = 0; e < 8; ++e) {
+                    const int i = (first ? sub * 8 : sub * 8 - half) + e;
+                    r[e] = first ? rot_first(f[e], other[e], rot_c[i], rot_s[i])
+                                 : rot_second(other[e], f[e], rot_c[i], rot_s[i]);
+                }
+                store8(xr + sub * 8, r);
+                if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + sub * 8, r);
             }
-            float r[8];
-            for (int e = 0; e < 8; ++e) {
-                const int i = (first ? sub * 8 : sub * 8 - half) + e;
-                r[e] = first ? rot_first(f[e], other[e], rot_c[i], rot_s[i])
-                             : rot_second(other[e], f[e], rot_c[i], rot_s[i]);
-            }
-            store8(xr + sub * 8, r);
-            if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + sub * 8, r);
+            if (more) for (int e = 0; e < 8; ++e) f[e] = fn[e];
         }
     }
 }
