@@ -99,7 +99,7 @@ for s in $steps; do
         | tee "$OUT/mask_fill.log" ;;
     tilings)  # prefill attention's tilings: on the device against numpy, kernel times, prompts as served
       # first the short diagnostic (a kernel that hangs costs 90 s here, not the suites' timeouts)
-      timeout 90 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv 2>&1 | tail -40 \
+      timeout 90 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv --tiling wgr 2>&1 | tail -40 \
         | tee "$OUT/tilings_tests.log"
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings or ragged" \
         2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
@@ -107,7 +107,7 @@ for s in $steps; do
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
         | tee "$OUT/tilings.log"
-      for t in ${TILINGS:-wg wgp wgv wg3 w8 m2}; do
+      for t in ${TILINGS:-wg wgp wgv wgr wg3 w8 m2}; do
         VT_PREFILL_TILING=$t timeout 200 python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192,32768 \
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"
@@ -132,6 +132,25 @@ for s in $steps; do
         ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-420}" \
         --server-args="--max-num-seqs 256 --max-model-len 40960" --long "${LONG:-40900}" --out "$OUT/m8" \
         2>&1 | grep -v "^Loading" | tee "$OUT/matrix8.log" ;;
+    trace8)  # the 8B target rows with a step trace, at each token budget: where their device time goes
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for b in ${BUDGETS:-2048 8192}; do
+        for t in ${TRACE_ROWS:-1024/128 8000/64}; do
+          f="/tmp/trace_${b}_${t/\//x}.jsonl"
+          timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-b$b" --rows targets --targets "$t" \
+            --server-args="--max-num-seqs 256 --max-model-len 16384 --max-num-batched-tokens $b --step-trace $f" \
+            --out "/tmp/tr_$b" 2>&1 | grep "^| target" | sed "s/^/b=$b /" | tee -a "$OUT/trace8.log"
+          python3 bench/step_trace_summary.py "$f" --budget "$b" | tee -a "$OUT/trace8.log"
+        done
+      done ;;
+    ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling
+      n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      for t in ${TILINGS:-wgv}; do
+        timeout 240 "$n" --kernel-name regex:attention_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
+          --section LaunchStats --section MemoryWorkloadAnalysis python3 bench/attn_ncu.py --tiling $t --prompt 8192 \
+          2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 | sed "s/^/$t /" | tee -a "$OUT/ncu.log"
+      done ;;
     *) ;;
   esac
 done

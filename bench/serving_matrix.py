@@ -70,10 +70,13 @@ def parse_shapes(text: str) -> tuple[tuple[int, int, float], ...]:
     return tuple(out)
 
 
-def plan_rows(which: str, shapes: tuple = SHAPES, concurrency: tuple = CONCURRENCY) -> list[Row]:
+def plan_rows(which: str, shapes: tuple = SHAPES, concurrency: tuple = CONCURRENCY,
+              targets: tuple | None = None) -> list[Row]:
+    """`targets`: (in, out) pairs of TARGETS to keep (default: all of them)."""
     rows = []  # the peer's rows first: a time budget that runs out cuts the matrix's tail
     if which in ("targets", "all"):
-        rows += [Row(i, o, 0.0, n, c, "target") for i, o, n, c in TARGETS]
+        rows += [Row(i, o, 0.0, n, c, "target") for i, o, n, c in TARGETS
+                 if targets is None or (i, o) in targets]
     if which in ("matrix", "all"):
         rows += [Row(i, o, r, prompts_for(i, o, c), c, "matrix") for i, o, r in shapes for c in concurrency]
     return rows
@@ -170,6 +173,8 @@ def main() -> int:
     ap.add_argument("--rows", default="all", choices=["matrix", "targets", "all"])
     ap.add_argument("--shapes", default=None, help="matrix shapes, e.g. 128/128,1024/256~0.9 (default: all)")
     ap.add_argument("--concurrency", default=None, help="matrix concurrencies, e.g. 1,16 (default: all)")
+    ap.add_argument("--targets", default=None,
+                    help="target rows to run, e.g. 1024/128,8000/64 (default: all)")
     ap.add_argument("--server-args", default="--max-num-seqs 256 --max-model-len 16384",
                     help="vt serve flags (besides --device cuda)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -181,7 +186,8 @@ def main() -> int:
     args = ap.parse_args()
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else CONCURRENCY
-    rows = plan_rows(args.rows, shapes, conc)
+    targets = tuple((i, o) for i, o, _ in parse_shapes(args.targets)) if args.targets else None
+    rows = plan_rows(args.rows, shapes, conc, targets)
     flags = ("--device", args.device, *shlex.split(args.server_args))
     t0 = time.monotonic()
     with ServerProcess(args.model, flags, timeout=900) as srv:

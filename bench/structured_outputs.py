@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emulate-token-us", type=float, default=0.0,
                    help="with --emulate-step-ms: device time added per token of a step")
     p.add_argument("--out", default=None, help="folder for structured.md and structured.json")
+    p.add_argument("--arms", default="both", choices=["both", "on", "off"],
+                   help="async scheduling on and off (default), or one of them")
     args = p.parse_args(argv)
     cfg = BenchConfig(
         base_url=None, model_dir=args.model, model_name=None, api_key=None, serve_flags=(),
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     shares = [int(x) for x in args.shares.split(",")]
     for repeat in range(args.repeats):  # interleaved, so drifts of a shared machine hit every row alike
         for share in shares:
-            for on in (True, False):
+            for on in {"both": (True, False), "on": (True,), "off": (False,)}[args.arms]:
                 arm = "--async-scheduling" if on else "--no-async-scheduling"
                 with ServerProcess(args.model, (*flags, arm), cfg.server_timeout, launcher) as srv:
                     run = _run_async(run_load(srv.url, cfg, share))

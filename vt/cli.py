@@ -58,6 +58,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound (503 beyond)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that give no seed of their own")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="write one JSON line per completed step (times, sequences, prompt and decode "
+                        "tokens) to FILE, for performance analysis")
     add_model_flags(p)
 
 
@@ -89,7 +92,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,
     )
 
 

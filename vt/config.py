@@ -34,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config: publish KV cache events
     tensor_parallel_size: int = 1         # ranks the weights, heads and KV cache are split over
+    step_trace: str | None = None         # --step-trace: a JSON line per completed step to this file
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
 from vt.step_probe import ProbeUnavailable, run_probe
+from vt.step_trace import StepTrace
 from vt.structured.compiler import CompiledGrammar, GrammarCompiler
 from vt.structured.guide import Guide
 from vt.structured.spec import GrammarSpec
@@ -228,6 +229,7 @@ class AsyncEngine:
         self.held_total = 0  # guided requests that sat a step out waiting for their masks
         self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
                                         self.eos_token_ids)
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         self.kv_publisher = None
         if config.kv_events_config is not None and config.kv_events_config.enabled:
             from vt.kv_publisher import ZmqEventPublisher
@@ -268,6 +270,8 @@ class AsyncEngine:
         self._step_rids.clear()
         self.runner.shutdown()
         self.grammars.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
         if self.kv_publisher is not None:
             self._publish_kv_events()
             self.kv_publisher.shutdown()
@@ -489,6 +493,8 @@ class AsyncEngine:
                     # leaves its KV unwritten, so its request cannot go on either.
                     self._step_rids[h.step_id] = [s.request_id for s in batch.seqs]
                     launched = True
+                    if self.step_trace is not None:
+                        self.step_trace.launched(h.step_id, batch)
                     if self.record_events:
                         self.events.append(StepEvent("launch", h.step_id))
                 else:
@@ -502,6 +508,8 @@ class AsyncEngine:
                     out = await h.wait()
                 except Exception as exc:
                     log.exception("step %d failed", h.step_id)
+                    if self.step_trace is not None:
+                        self.step_trace.dropped(h.step_id)
                     self._step_failed(step_rids, exc)
                     self._masks_after(set())
                     continue
@@ -511,6 +519,8 @@ class AsyncEngine:
                 start = out.launch_time if self._last_done is None else max(out.launch_time,
                                                                              self._last_done)
                 self._stats.step_time_seconds_total += max(0.0, out.done_time - start)
+                if self.step_trace is not None:
+                    self.step_trace.done(h.step_id, out.launch_time, start, out.done_time)
                 self._last_done = out.done_time
                 self._stats.steps_total += 1
                 if self.record_events:

@@ -266,3 +266,24 @@ def test_attn_tilings_serves_the_fastest_tiling_that_agrees() -> None:
     assert best_tiling([r for r in rows if r["tiling"] in ("r64", "w8")]) == "r64"
     assert best_tiling([{"hq": 32, "tiling": "w8", "speedup": 1.2, "rel_diff": float("nan")},
                         {"hq": 32, "tiling": "r64", "speedup": 1.0, "rel_diff": 0.0}]) == "r64"
+
+
+def test_step_trace_summary_groups_steps_by_what_they_computed(tmp_path: Path) -> None:
+    summary = load_script("step_trace_summary")
+
+    def step(i: int, ms: float, decodes: int, prompt: int) -> dict:
+        return {"step": i, "launch": i * 0.1, "start": i * 0.1, "end": i * 0.1 + ms / 1e3, "device_ms": ms,
+                "seqs": decodes + (prompt > 0), "tokens": decodes + prompt, "decodes": decodes,
+                "prompt_tokens": prompt, "max_context": 100}
+
+    steps = [step(0, 50.0, 0, 2048), step(1, 40.0, 100, 1948), step(2, 20.0, 10, 500), step(3, 10.0, 200, 0),
+             step(4, 10.0, 100, 0)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    lines = summary.summarize(summary.load(trace), budget=2048)
+    assert lines[0].startswith("5 steps, device 0.13 s")
+    assert lines[0].endswith("4 steps launched after the previous one ended, 0.28 s in those gaps")
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    assert rows["prompt, budget full"][1:5] == ["2", "0.09", "69%", "45.00"]
+    assert rows["prompt, budget < 90%"][1] == "1"
+    assert rows["decode only"][1:6] == ["2", "0.02", "15%", "10.00", "150"]
