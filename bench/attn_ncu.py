@@ -4,7 +4,7 @@
         python3 bench/attn_ncu.py --tiling wgv --prompt 8192
 
 Qwen3-8B's attention heads (32 q, 8 kv, head dim 128), one causal prompt over a paged cache with
-shuffled blocks, as bench/attn_tilings.py builds it. Prints the mean time of the eager calls.
+shuffled blocks, built as bench/attn_tilings.py builds its cases. Prints the mean time of the eager calls.
 """
 
 from __future__ import annotations
@@ -27,27 +27,24 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
     import cupy
-    from kernel_bench import act
+    from attn_tilings import causal_flops, paged_attention_call
 
     from vt.kernels.cuda_ops import CudaBackend
 
     be = CudaBackend(workspace_bytes=1 << 30)
     be.use_prefill_tiling(args.tiling)
-    bs, d, hq, hk, n = 16, 128, 32, 8, args.prompt
-    blocks = -(-n // bs)
-    kc, vc, q = act(blocks, bs, hk, d), act(blocks, bs, hk, d), act(n, hq, d)
-    table = np.random.default_rng(0).permutation(blocks).astype(np.int32)[None, :]
-    dev = [cupy.asarray(np.asarray(a, np.int32)) for a in ([0, n], [n], table)]
-    cupy.cuda.Device().synchronize()
+    hq, n = 32, args.prompt
+    call = paged_attention_call(be, np.random.default_rng(0), hq, [n], [n])
+    cupy.cuda.Device().synchronize()  # inputs made on the default stream, before the slot's stream reads them
     with be.slot(0):
         t0 = time.perf_counter()
         for _ in range(args.calls):
             mark = be.arena_mark()
-            be.attention(q, kc, vc, *dev, d**-0.5, n, n)
+            call()
             be.arena_reset(mark)
         cupy.cuda.Device().synchronize()
     ms = (time.perf_counter() - t0) / args.calls * 1e3
-    flops = 4.0 * hq * d * (n * (n + 1) // 2)
+    flops = causal_flops([n], [n], hq)
     print(f"{args.tiling} prompt {n}: {ms:.3f} ms a call (eager, with launch), "
           f"{flops / ms / 1e9:.0f} TFLOP/s")
 

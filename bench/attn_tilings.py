@@ -26,6 +26,10 @@ import numpy as np
 from vt.kernels.attention_plan import FALLBACK_PREFILL_TILING, PREFILL_TILINGS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import cupy
+
     from vt.kernels.cuda_ops import CudaBackend
 
 BS = 16
@@ -41,10 +45,12 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], hq: int) -> float:
     return 4.0 * hq * D * total
 
 
-def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
-             ctx_lens: list[int], tilings: list[str] | None = None) -> list[dict]:
+def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
+                         ctx_lens: list[int]) -> Callable[[], cupy.ndarray]:
+    """One attention launch of sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a
+    paged cache whose blocks are shuffled, with random bf16 q, K and V and 8 kv heads."""
     import cupy
-    from kernel_bench import act, time_op  # bench/ is this script's sys.path[0]
+    from kernel_bench import act  # bench/ is this script's sys.path[0]
 
     hk = 8
     blocks = [-(-c // BS) for c in ctx_lens]
@@ -62,6 +68,15 @@ def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_l
     def call() -> cupy.ndarray:
         return be.attention(q, kc, vc, *dev, D**-0.5, max(q_lens), max(ctx_lens))
 
+    return call
+
+
+def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
+             ctx_lens: list[int], tilings: list[str] | None = None) -> list[dict]:
+    import cupy
+    from kernel_bench import time_op
+
+    call = paged_attention_call(be, rng, hq, q_lens, ctx_lens)
     flops = causal_flops(q_lens, ctx_lens, hq)
     rows: list[dict] = []
     order = [FALLBACK_PREFILL_TILING,
