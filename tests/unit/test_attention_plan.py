@@ -22,9 +22,9 @@ def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one
     assert attention_kernel(2, 4, 128)[:3] == ("attention_tc_d128_decode8", True, 1)  # 4 tokens x 2
     assert attention_kernel(16, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
-    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgv_d128_prefill", True, 1)  # 20 rows
+    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgr_d128_prefill", True, 1)  # 20 rows
     assert attention_kernel(4, 5, 128, prefill="r64")[:3] == ("attention_tc_d128_prefill", True, 1)
-    # wgv has head dim 128 only: 64 runs on the fallback, r64
+    # wgr has head dim 128 only: 64 runs on the fallback, r64
     assert attention_kernel(2, 1000, 64)[:3] == ("attention_tc_d64_prefill", True, 32)
     k = attention_kernel(8, 3, 256)  # no tensor-core kernel for 256
     assert (k.name, k.tensor_cores) == ("attention_r4", False)

@@ -63,12 +63,12 @@ class PrefillTiling(NamedTuple):
 # rows on wgmma (attention_wg.cu, sm_90 only), one block an SM; wgp: wg with each tile's P V
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
-# (bench/attn_tilings.py, bench/RESULTS.md): wgv is the fastest on every case, 1.4-1.8x r64, and
-# the default; wgr (wgv with P kept in registers as wgmma's register A, 128-key tiles, K loaded
-# two tiles ahead) is the next candidate. A GPU without sm_90 (or a head dim wgv lacks) runs
-# r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory follows each entry's
-# template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read
-# directly; wgr_smem for wgr's own body).
+# (bench/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
+# register A, 128-key tiles, K loaded two tiles ahead) is the fastest on every case, 1.7-2.3x r64,
+# and the default. A GPU without sm_90 (or a head dim wgr lacks) runs r64. VT_PREFILL_TILING
+# picks one for a benchmark. The shared memory follows each entry's template arguments in
+# attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read directly; wgr_smem
+# for wgr's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES)),
     "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256,
@@ -81,7 +81,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
                          lambda d: wg_smem(2, 3, 2, v_direct=True), True),
     "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True),
 }
-DEFAULT_PREFILL_TILING = "wgv"
+DEFAULT_PREFILL_TILING = "wgr"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
 # another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
