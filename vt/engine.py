@@ -13,7 +13,8 @@ grammar thread (as soon as every guide has seen its request's last token: at lau
 is processed) and the second pass samples the guided rows with them. A guided request whose
 second pass is not launched when the next step is scheduled sits that step out (the scheduler's
 `hold`), so no row ever waits for a mask but its own, and the masks are the ones depth 1 would
-compute (docs/structured_outputs.md).
+compute (docs/structured_outputs.md). A step whose masks are still filling when it is waited for
+has its free rows' tokens processed first (streamed, stop conditions checked) while they fill.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ class AsyncEngine:
         # masks being filled on the grammar thread, by the step id of the in-flight step they are for
         self._masks: dict[int, concurrent.futures.Future] = {}
         self.held_total = 0  # guided requests that sat a step out waiting for their masks
+        self.early_first_passes = 0  # steps whose free rows were processed while their masks filled
         self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
                                         self.eos_token_ids)
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
@@ -414,6 +416,10 @@ class AsyncEngine:
         else:
             self.runner.sample_deferred(h, lambda _rids, _out: job.result())
 
+    def _masks_ready(self, h: StepHandle) -> bool:
+        job = self._masks.get(h.step_id)
+        return job is not None and job.done()
+
     def _launch_ready_masks(self) -> frozenset[str]:
         """Launch the second pass of every in-flight step whose masks are filled; the requests of
         the others sit the next step out (their tokens are not on the device yet)."""
@@ -421,8 +427,7 @@ class AsyncEngine:
         for h in self._inflight:
             if not h.awaiting_masks:
                 continue
-            job = self._masks.get(h.step_id)
-            if job is not None and job.done():
+            if self._masks_ready(h):
                 self._launch_masked(h)
             else:
                 hold.update(h.late_request_ids)
@@ -502,8 +507,20 @@ class AsyncEngine:
                         self.runner.release(rid)
             if inflight and (not launched or len(inflight) >= self.depth):
                 h = inflight.popleft()
-                self._launch_masked(h)  # its masks are filled by now, or this waits for them
                 step_rids = self._step_rids.pop(h.step_id, [])
+                if h.awaiting_masks and h.has_free_rows and not self._masks_ready(h):
+                    # The masks are still filling: the free rows' tokens are processed meanwhile
+                    # (their requests sit in no later step yet, so nothing waits for the rest).
+                    try:
+                        self._process(await h.wait_first())
+                    except Exception as exc:
+                        log.exception("step %d failed", h.step_id)
+                        self._step_failed(step_rids, exc)
+                        self._masks_after(set())
+                        continue
+                    step_rids = list(h.late_rows_request_ids)
+                    self.early_first_passes += 1
+                self._launch_masked(h)  # its masks are filled by now, or this waits for them
                 try:
                     out = await h.wait()
                 except Exception as exc:

@@ -157,15 +157,19 @@ class StepHandle:
     A step whose guided rows sample after their masks (`awaiting_masks`) is launched with its
     first sampler pass, which samples and records every other row, so that the next step can
     launch behind it; `ModelRunner.sample_deferred` gives it the masks and launches the second
-    pass, which samples the guided rows, and only then may it be waited for."""
+    pass, which samples the guided rows, and only then may it be waited for. Its first pass can
+    be collected before that (`wait_first()`: every row but the guided ones), so that the free
+    rows are processed while the masks fill; `wait()` then gives the guided rows alone."""
 
     def __init__(self, runner: ModelRunner, step_id: int, slot: int, plan: _Plan,
                  future: concurrent.futures.Future | None, launch_time: float,
-                 deferred: _Launch | None = None) -> None:
+                 deferred: _Launch | None = None, first: concurrent.futures.Future | None = None) -> None:
         self.runner, self.step_id, self.slot, self.plan = runner, step_id, slot, plan
         self.future = future
         self.launch_time = launch_time
         self.deferred = deferred
+        self.first = first  # a deferred step's first pass: when its free rows are on the host
+        self.first_collected = False
 
     @property
     def awaiting_masks(self) -> bool:
@@ -181,6 +185,17 @@ class StepHandle:
     def late_request_ids(self) -> tuple[str, ...]:
         """The requests whose tokens the second pass samples; () once it is launched."""
         return self.deferred.mask_rids if self.deferred is not None else ()
+
+    @property
+    def has_free_rows(self) -> bool:
+        """Whether the first pass samples any row (a deferred step's are not all guided)."""
+        return len(self.plan.late) < len(self.plan.sample_req)
+
+    @property
+    def late_rows_request_ids(self) -> tuple[str, ...]:
+        """The requests the second pass samples, before and after it is launched."""
+        late = self.plan.late
+        return tuple(rid for b, rid in self.plan.sample_req if b in late)
 
     def _check_sampled(self) -> concurrent.futures.Future:
         if self.deferred is not None or self.future is None:
@@ -199,6 +214,18 @@ class StepHandle:
 
         await asyncio.wrap_future(self._check_sampled())
         return self.runner._collect(self)
+
+    async def wait_first(self) -> StepOutput:
+        """A deferred step's first pass, before its second is launched: the tokens of every
+        sampling row but the guided ones (which wait() gives afterwards)."""
+        import asyncio
+
+        if self.first is None or self.deferred is None:
+            raise RuntimeError(f"step {self.step_id} has no first pass of its own to wait for")
+        await asyncio.wrap_future(self.first)
+        out = self.runner._collect(self, first=True)
+        self.first_collected = True
+        return out
 
 
 def slot_waiters(slots: int) -> list[concurrent.futures.ThreadPoolExecutor]:
@@ -675,13 +702,19 @@ class ModelRunner:
                        masks_need_previous=from_last_guided)
         self.step_id += 1
         future: concurrent.futures.Future | None = None
+        first: concurrent.futures.Future | None = None
         if self.ops.name == "numpy":
             future = self.worker.submit(self._timed, self._device_step, step)
+            first = future if deferred else None
         else:
             self._device_step(step)
-            if not deferred:
-                future = self._completion(slot)
-        return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time, step if deferred else None)
+            # A deferred step's wait is for its first pass until sample_deferred() launches the
+            # second (the slot records no other work before that).
+            first = self._completion(slot)
+            future = None if deferred else first
+            first = first if deferred else None
+        return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time,
+                          step if deferred else None, first)
 
     def _mask_view(self, buf: _SlotBuffers, rows: int) -> np.ndarray:
         return buf.bitmask[0][: rows * self.mask_words].reshape(rows, self.mask_words)
@@ -976,20 +1009,26 @@ class ModelRunner:
         buf.offsets[0][nseq:size] = 0
 
     # ---- results ------------------------------------------------------------------------------
-    def _collect(self, h: StepHandle) -> StepOutput:
+    def _collect(self, h: StepHandle, first: bool = False) -> StepOutput:
+        """The step's sampled tokens; first: only its first pass's rows (every row but the
+        late ones), and once those are collected, a later call gives the late rows alone."""
         buf = self.slots[h.slot]
         k = h.plan.logprobs_k
         late = h.plan.late
         out = []
         for b, rid in h.plan.sample_req:
-            got = buf.late if b in late else buf.out
+            is_late = b in late
+            if (first and is_late) or (h.first_collected and not is_late):
+                continue
+            got = buf.late if is_late else buf.out
             if k:
                 top = tuple((int(i), float(v)) for i, v in zip(got.top_ids[b * k:(b + 1) * k],
                                                                got.top_lp[b * k:(b + 1) * k]))
                 out.append(SampledToken(rid, int(got.ids[b]), float(got.logprob[b]), top))
             else:
                 out.append(SampledToken(rid, int(got.ids[b]), None, None))
-        return StepOutput(h.step_id, tuple(out), h.launch_time, h.future.result())
+        done = (h.first if first else h.future).result()
+        return StepOutput(h.step_id, tuple(out), h.launch_time, done)
 
     def shutdown(self) -> None:
         self.worker.shutdown(wait=True)

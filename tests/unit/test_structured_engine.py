@@ -169,13 +169,17 @@ def test_deferred_masks_fill_off_the_event_loop(model_dir: Path, runs, monkeypat
     results, engine = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16))
     assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
     off_loop = sum(name.startswith("vt-masks") for name in threads)
-    assert off_loop == engine.runner.deferred_samples > 20, (off_loop, len(threads))
+    assert off_loop == len(threads), threads
+    # the last step (the extra one after every request finished) may have its masks filled when
+    # the engine stops, and never sample
+    assert engine.runner.deferred_samples <= off_loop <= engine.runner.deferred_samples + 1, off_loop
+    assert engine.runner.deferred_samples > 20
 
 
 def test_slow_masks_hold_only_their_own_requests(model_dir: Path, runs, monkeypatch) -> None:
     """Masks slower than a step: the guided requests sit steps out while the next steps launch
-    without waiting for them (the free rows sample in the first pass), and every token is still
-    depth 1's."""
+    without waiting for them (the free rows sample in the first pass), a step waited for before
+    its masks are filled has its free rows processed first, and every token is still depth 1's."""
     fill = GrammarCompiler.fill_masks
 
     def slow(self, guides, out) -> None:
@@ -187,6 +191,7 @@ def test_slow_masks_hold_only_their_own_requests(model_dir: Path, runs, monkeypa
     assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
     assert engine.held_total > 20
     assert runs["depth2"][1].held_total < engine.held_total
+    assert engine.early_first_passes > 10
 
 
 def test_guided_rows_keep_the_decode_graph(runs) -> None:
