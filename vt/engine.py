@@ -509,18 +509,25 @@ class AsyncEngine:
                 h = inflight.popleft()
                 step_rids = self._step_rids.pop(h.step_id, [])
                 if h.awaiting_masks and h.has_free_rows and not self._masks_ready(h):
-                    # The masks are still filling: the free rows' tokens are processed meanwhile
-                    # (their requests sit in no later step yet, so nothing waits for the rest).
+                    # The masks are still filling: the free rows' tokens are processed meanwhile.
+                    # The guided requests were held out of the step launched since, so nothing
+                    # in flight reads their tokens before the second part is processed.
                     try:
-                        self._process(await h.wait_first())
+                        first = await h.wait_first()
                     except Exception as exc:
                         log.exception("step %d failed", h.step_id)
+                        self._masks.pop(h.step_id, None)
                         self._step_failed(step_rids, exc)
                         self._masks_after(set())
                         continue
+                    self._process(first)
                     step_rids = list(h.late_rows_request_ids)
                     self.early_first_passes += 1
-                self._launch_masked(h)  # its masks are filled by now, or this waits for them
+                if (job := self._masks.get(h.step_id)) is not None and not job.done():
+                    # The loop serves HTTP (the free rows' chunks) while the masks fill; a failed
+                    # fill fails the step in the launch below.
+                    await asyncio.wait([asyncio.wrap_future(job)])
+                self._launch_masked(h)  # its masks are filled by now (or filled here if never started)
                 try:
                     out = await h.wait()
                 except Exception as exc:
