@@ -517,6 +517,8 @@ class AsyncEngine:
                     except Exception as exc:
                         log.exception("step %d failed", h.step_id)
                         self._masks.pop(h.step_id, None)
+                        if self.step_trace is not None:
+                            self.step_trace.dropped(h.step_id)
                         self._step_failed(step_rids, exc)
                         self._masks_after(set())
                         continue
@@ -526,7 +528,9 @@ class AsyncEngine:
                 if (job := self._masks.get(h.step_id)) is not None and not job.done():
                     # The loop serves HTTP (the free rows' chunks) while the masks fill; a failed
                     # fill fails the step in the launch below.
-                    await asyncio.wait([asyncio.wrap_future(job)])
+                    filled = asyncio.wrap_future(job)
+                    await asyncio.wait([filled])
+                    filled.exception()  # taken here so it is not logged as lost; job.result() raises it
                 self._launch_masked(h)  # its masks are filled by now (or filled here if never started)
                 try:
                     out = await h.wait()
