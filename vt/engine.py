@@ -515,12 +515,7 @@ class AsyncEngine:
                     try:
                         first = await h.wait_first()
                     except Exception as exc:
-                        log.exception("step %d failed", h.step_id)
-                        self._masks.pop(h.step_id, None)
-                        if self.step_trace is not None:
-                            self.step_trace.dropped(h.step_id)
-                        self._step_failed(step_rids, exc)
-                        self._masks_after(set())
+                        self._drop_failed_step(h, step_rids, exc)
                         continue
                     self._process(first)
                     step_rids = list(h.late_rows_request_ids)
@@ -535,11 +530,7 @@ class AsyncEngine:
                 try:
                     out = await h.wait()
                 except Exception as exc:
-                    log.exception("step %d failed", h.step_id)
-                    if self.step_trace is not None:
-                        self.step_trace.dropped(h.step_id)
-                    self._step_failed(step_rids, exc)
-                    self._masks_after(set())
+                    self._drop_failed_step(h, step_rids, exc)
                     continue
                 self._consecutive_failures = 0
                 # Device time of this step: from when it could start (its launch, or the previous
@@ -576,6 +567,16 @@ class AsyncEngine:
         pool = self.scheduler.pool
         if pool.events:
             self.kv_publisher.publish(pool.events.take(), pool.cached_blocks)
+
+    def _drop_failed_step(self, h: StepHandle, rids: list[str], exc: BaseException) -> None:
+        """A step that raised when waited for (first pass or whole): its requests fail, its masks
+        and trace line go, and the steps waiting for it start their masks."""
+        log.exception("step %d failed", h.step_id)
+        self._masks.pop(h.step_id, None)
+        if self.step_trace is not None:
+            self.step_trace.dropped(h.step_id)
+        self._step_failed(rids, exc)
+        self._masks_after(set())
 
     def _step_failed(self, rids: list[str], exc: BaseException) -> None:
         # The step's requests fail; whether the engine is at fault is for a probe step to say

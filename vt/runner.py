@@ -710,9 +710,8 @@ class ModelRunner:
             self._device_step(step)
             # A deferred step's wait is for its first pass until sample_deferred() launches the
             # second (the slot records no other work before that).
-            first = self._completion(slot)
-            future = None if deferred else first
-            first = first if deferred else None
+            done = self._completion(slot)
+            future, first = (None, done) if deferred else (done, None)
         return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time,
                           step if deferred else None, first)
 
