@@ -5,7 +5,11 @@ The checkpoint has the attention shapes of Qwen3-8B (head dim 128, GQA group 4) 
 positions, with 6 layers and weights large enough that greedy choices are rarely close calls.
 bf16 GEMMs of other padded shapes, and attention split over other key ranges, round differently,
 so where the eager run's top-2 logprobs are within TIE of each other either token is a legal
-greedy choice: runs are compared token by token up to the first such position.
+greedy choice: runs are compared token by token up to the first position where they part, where
+the graphs run's token must be one of eager's top TOP there, within TIE of eager's best. Random
+weights leave such close calls in nearly every 32-token answer (top-2 gaps of 0.002-0.07 nats,
+often three tokens within 0.1), so how many answers agree to the end is chance, not a property of
+the engine, and is not asserted.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.gpu
 LENGTHS = (1, 127, 128, 129, 511, 1024, 2048, 8192, 32768)
 NEW_TOKENS = 32
 TIE = 0.25  # nats between the top two logprobs: bf16 rounding of other GEMM shapes moves logits by ~0.1
+TOP = 5  # eager's logprobs kept per token
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +49,8 @@ def _workloads() -> dict[str, list[list[list[int]]]]:
 
 def _run(checkpoint: Path, rounds: list[list[list[int]]], eager: bool,
          logprobs: int | None) -> tuple[list, dict]:
-    """(tokens, top-2 gaps or None) per request, rounds one after another on one engine, and the
-    runner's steps by route."""
+    """(tokens, per token the top `logprobs` (logprob, id) pairs, best first, or None) per request,
+    rounds one after another on one engine, and the runner's steps by route."""
     from vt.llm import LLM
     from vt.sampling import SamplingParams
 
@@ -55,17 +60,16 @@ def _run(checkpoint: Path, rounds: list[list[list[int]]], eager: bool,
              enforce_eager=eager) as llm:
         engine = llm.engine
 
-        async def one(i: int, ids: list[int]) -> tuple[list[int], list[float] | None, str | None]:
+        async def one(i: int, ids: list[int]) -> tuple[list[int], list | None, str | None]:
             toks: list[int] = []
-            gaps: list[float] = []
+            tops: list[list[tuple[float, int]]] = []
             last = None
             async for o in engine.add_request(f"r{len(out)}-{i}", ids, params):
                 toks.extend(o.token_ids)
                 for lp in o.logprobs or ():
-                    top = sorted((v for _, v in lp.top), reverse=True)
-                    gaps.append(top[0] - top[1])
+                    tops.append(sorted(((v, t) for t, v in lp.top), reverse=True))
                 last = o
-            return toks, (gaps if logprobs else None), last.finish_reason
+            return toks, (tops if logprobs else None), last.finish_reason
 
         for prompts in rounds:
             async def together(prompts=prompts) -> list:
@@ -75,21 +79,22 @@ def _run(checkpoint: Path, rounds: list[list[list[int]]], eager: bool,
         assert engine.scheduler.kv_usage == 0.0
     assert all(reason == "length" and len(toks) == NEW_TOKENS for toks, _, reason in out), \
         [(len(t), r) for t, _, r in out]
-    return [(toks, gaps) for toks, gaps, _ in out], routes
+    return [(toks, tops) for toks, tops, _ in out], routes
 
 
 @pytest.mark.parametrize("workload", ["c1", "c64"])
 def test_every_length_serves_with_graphs_equal_to_eager(checkpoint: Path, workload: str) -> None:
     rounds = _workloads()[workload]
     graphs, routes = _run(checkpoint, rounds, eager=False, logprobs=None)
-    eager, eager_routes = _run(checkpoint, rounds, eager=True, logprobs=2)
+    eager, eager_routes = _run(checkpoint, rounds, eager=True, logprobs=TOP)
     assert set(eager_routes) == {"eager"}
     assert routes.get("graph", 0) > 0 and routes.get("pieces", 0) > 0, routes
-    identical = 0
-    for (got, _), (want, gaps) in zip(graphs, eager, strict=True):
+    lengths = [len(p) for prompts in rounds for p in prompts]
+    for n, (got, _), (want, tops) in zip(lengths, graphs, eager, strict=True):
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is None:
-            identical += 1
             continue
-        assert gaps[first] < TIE, f"differs at {first} where eager's top-2 gap is {gaps[first]:.3f}"
-    assert identical >= len(eager) // 2, f"only {identical} of {len(eager)} requests identical"
+        close = [t for v, t in tops[first] if tops[first][0][0] - v < TIE]
+        assert got[first] in close, (
+            f"{n}-token prompt: token {first} is {got[first]} with graphs, eager's top {TOP} there are "
+            f"{tops[first]}")
