@@ -143,6 +143,22 @@ for s in $steps; do
           python3 bench/step_trace_summary.py "$f" --budget "$b" | tee -a "$OUT/trace8.log"
         done
       done ;;
+    structured_ab)  # the 0.6B structured load on this tree against another checkout ($AB_BASE), alternated, traced
+      test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
+      for rep in ${REPS:-1 2}; do
+        for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
+          name=$([ "$tree" = . ] && echo this || echo base)
+          for share in ${SHARES:-25 0}; do
+            f="/tmp/tr_${name}_${share}_${rep}.jsonl"
+            PYTHONPATH="$(cd "$tree" && pwd):$PYTHONPATH" timeout 150 python3 "$tree/bench/structured_outputs.py" \
+              --model /tmp/q06 --device cuda --num-prompts 512 --max-concurrency 128 --output-len 256 --shares "$share" \
+              --arms on --server-args="--max-model-len 2048 --step-trace $f" 2>&1 | grep -E "^\| *[0-9]+%" \
+              | sed "s/^/$name r$rep /" | tee -a "$OUT/structured_ab.log"
+            python3 bench/step_trace_summary.py "$f" 2>&1 | grep "steps, device" | sed "s/^/$name s$share r$rep /" \
+              | tee -a "$OUT/structured_ab.log"
+          done
+        done
+      done ;;
     ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling
       n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       for t in ${TILINGS:-wgv}; do

@@ -212,6 +212,9 @@ class AsyncEngine:
         self.record_events = False
         self.events: collections.deque[StepEvent] = collections.deque(maxlen=100_000)
         self._inflight: collections.deque[StepHandle] = collections.deque()
+        # Late steps: their free rows are processed and their slot still holds them while their
+        # guided rows' masks fill; the next steps launch meanwhile. Oldest first.
+        self._late: collections.deque[StepHandle] = collections.deque()
         self._step_rids: dict[int, list[str]] = {}  # step id -> request ids of its sequences
         self._last_done: float | None = None
         self._busy_after_done = False
@@ -229,6 +232,7 @@ class AsyncEngine:
         self._masks: dict[int, concurrent.futures.Future] = {}
         self.held_total = 0  # guided requests that sat a step out waiting for their masks
         self.early_first_passes = 0  # steps whose free rows were processed while their masks filled
+        self.late_steps = 0  # of those, steps left behind (late) while later steps launched
         self.grammars = GrammarCompiler(self.tokenizer.raw.to_str, self.model_config.vocab_size,
                                         self.eos_token_ids)
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
@@ -262,12 +266,13 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for h in self._inflight:
+        for h in (*self._late, *self._inflight):
             self._launch_masked(h)  # joins masks a crashed loop may have left filling
             try:
                 await h.wait()
             except Exception:
                 pass
+        self._late.clear()
         self._inflight.clear()
         self._step_rids.clear()
         self.runner.shutdown()
@@ -282,7 +287,7 @@ class AsyncEngine:
     def idle(self) -> bool:
         """No request held, no step in flight and no probe step pending: every KV block is the
         prefix cache's or free."""
-        return (not self._states and not self._inflight and self._suspect is None
+        return (not self._states and not self._inflight and not self._late and self._suspect is None
                 and not self.scheduler.has_unfinished())
 
     @property
@@ -400,10 +405,18 @@ class AsyncEngine:
         self._masks[h.step_id] = self.grammars.fill_masks_async(self._guides(rids, rejected), out)
 
     def _masks_after(self, rejected: set[str]) -> None:
-        """A step was just processed: the steps waiting for it to fill their masks start now."""
-        for h in self._inflight:
-            if h.awaiting_masks and h.step_id not in self._masks:
+        """Tokens were just processed: the steps whose guides have now seen every earlier token
+        of their guided requests start filling their masks."""
+        for h in (*self._late, *self._inflight):
+            if h.awaiting_masks and h.step_id not in self._masks and self._guides_current(h):
                 self._start_masks(h, rejected)
+
+    def _guides_current(self, h: StepHandle) -> bool:
+        """Whether every guided request of h has no token in flight but h's: an earlier step's
+        (a late one's, still filling its masks) must be processed before h's masks are built."""
+        states = self._states
+        return all((s := states.get(rid)) is None or s.request.num_pending <= 1
+                   for rid in h.late_request_ids)
 
     def _launch_masked(self, h: StepHandle) -> None:
         """Launch a step's second sampler pass with its masks, waiting for them if they are still
@@ -424,7 +437,7 @@ class AsyncEngine:
         """Launch the second pass of every in-flight step whose masks are filled; the requests of
         the others sit the next step out (their tokens are not on the device yet)."""
         hold: set[str] = set()
-        for h in self._inflight:
+        for h in (*self._late, *self._inflight):
             if not h.awaiting_masks:
                 continue
             if self._masks_ready(h):
@@ -464,10 +477,13 @@ class AsyncEngine:
             if self.kv_publisher is not None:
                 self._publish_kv_events()
             launched = False
-            if self._suspect is not None and not inflight and self._dead is None:
+            if self._late:
+                self._advance_late()
+            if self._suspect is not None and not inflight and not self._late and self._dead is None:
                 await self._probe()
                 continue
-            if len(inflight) < self.depth and self._dead is None and self._suspect is None:
+            if (len(inflight) < self.depth and self.runner.has_free_slot and self._dead is None
+                    and self._suspect is None):
                 batch = self.scheduler.schedule(hold=self._launch_ready_masks())
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
@@ -492,7 +508,7 @@ class AsyncEngine:
                         self._step_failed([s.request_id for s in batch.seqs], exc)
                         continue
                     inflight.append(h)
-                    if h.awaiting_masks and not h.masks_need_previous:
+                    if h.awaiting_masks and self._guides_current(h):
                         self._start_masks(h)  # its guides have seen every token already
                     # Every sequence of the step, not only the sampling ones: a failed prefill chunk
                     # leaves its KV unwritten, so its request cannot go on either.
@@ -520,6 +536,20 @@ class AsyncEngine:
                     self._process(first)
                     step_rids = list(h.late_rows_request_ids)
                     self.early_first_passes += 1
+                    if self.runner.has_free_slot:
+                        # h keeps its slot until its guided rows are sampled; the next step
+                        # launches now, whatever the masks take (its guided requests sit out).
+                        self._step_done(h, first)
+                        self._step_rids[h.step_id] = step_rids
+                        self._late.append(h)
+                        self.late_steps += 1
+                        self._busy_after_done = self.scheduler.has_unfinished()
+                        continue
+                if h.awaiting_masks and h.step_id not in self._masks:
+                    if self._late:
+                        await self._finish_late()  # h's masks need tokens of older, late steps
+                    if self._guides_current(h):
+                        self._start_masks(h)  # h was out of the queue when they came in
                 if (job := self._masks.get(h.step_id)) is not None and not job.done():
                     # The loop serves HTTP (the free rows' chunks) while the masks fill; a failed
                     # fill fails the step in the launch below.
@@ -532,22 +562,14 @@ class AsyncEngine:
                 except Exception as exc:
                     self._drop_failed_step(h, step_rids, exc)
                     continue
-                self._consecutive_failures = 0
-                # Device time of this step: from when it could start (its launch, or the previous
-                # step's completion if that came later) to its completion.
-                start = out.launch_time if self._last_done is None else max(out.launch_time,
-                                                                             self._last_done)
-                self._stats.step_time_seconds_total += max(0.0, out.done_time - start)
-                if self.step_trace is not None:
-                    self.step_trace.done(h.step_id, out.launch_time, start, out.done_time)
-                self._last_done = out.done_time
-                self._stats.steps_total += 1
-                if self.record_events:
-                    self.events.append(StepEvent("done", h.step_id))
+                self._step_done(h, out)
                 self._process(out)
                 # The next step's masks now fill on the mask thread; its second pass is launched
                 # before the next schedule if they are done, else before it is waited for.
                 self._busy_after_done = self.scheduler.has_unfinished()
+                continue
+            if self._late and not launched:
+                await self._finish_late(one=True)  # nothing else to do meanwhile
                 continue
             if not launched:
                 self._wakeup.clear()
@@ -561,6 +583,63 @@ class AsyncEngine:
                         pass
             else:
                 await asyncio.sleep(0)  # let HTTP callbacks run between launches
+
+    def _step_done(self, h: StepHandle, out: StepOutput) -> None:
+        """Account a completed step (a late one's first pass: the device is done with its
+        forward): device time, trace line, counters."""
+        self._consecutive_failures = 0
+        # Device time of this step: from when it could start (its launch, or the previous
+        # step's completion if that came later) to its completion.
+        start = out.launch_time if self._last_done is None else max(out.launch_time, self._last_done)
+        self._stats.step_time_seconds_total += max(0.0, out.done_time - start)
+        if self.step_trace is not None:
+            self.step_trace.done(h.step_id, out.launch_time, start, out.done_time)
+        self._last_done = out.done_time
+        self._stats.steps_total += 1
+        if self.record_events:
+            self.events.append(StepEvent("done", h.step_id))
+
+    def _advance_late(self) -> None:
+        """Without waiting: launch the second pass of each late step whose masks are filled, and
+        process the guided rows of the oldest ones whose second pass has ended, in step order."""
+        late = self._late
+        for h in late:
+            if h.awaiting_masks and self._masks_ready(h):
+                self._launch_masked(h)
+        while late and late[0].done():
+            h = late.popleft()
+            rids = self._step_rids.pop(h.step_id, [])
+            try:
+                out = h.result()
+            except Exception as exc:
+                self._drop_failed_step(h, rids, exc)
+                continue
+            self._process(out)
+
+    async def _finish_late(self, one: bool = False) -> None:
+        """Wait for the late steps' masks and second passes, oldest first, and process their
+        guided rows (one: the oldest only)."""
+        late = self._late
+        while late:
+            h = late[0]
+            if h.awaiting_masks and h.step_id not in self._masks and self._guides_current(h):
+                self._start_masks(h)  # every earlier token is processed: fill them off the loop
+            if (job := self._masks.get(h.step_id)) is not None and not job.done():
+                filled = asyncio.wrap_future(job)
+                await asyncio.wait([filled])
+                filled.exception()  # taken here so it is not logged as lost; job.result() raises it
+            self._launch_masked(h)  # its masks are filled by now
+            try:
+                out = await h.wait()
+            except Exception as exc:
+                late.popleft()
+                self._drop_failed_step(h, self._step_rids.pop(h.step_id, []), exc)
+            else:
+                late.popleft()
+                self._step_rids.pop(h.step_id, None)
+                self._process(out)
+            if one:
+                return
 
     def _publish_kv_events(self) -> None:
         """Hand the prefix cache's new events to the publisher (it queues; it never blocks)."""

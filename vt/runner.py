@@ -1,11 +1,12 @@
 """ModelRunner: ScheduledBatch -> staged inputs -> forward -> sample -> sampled ids on the host.
 
-The runner speaks only of arrays. Each of the backend's slots (two) owns its own staging buffers
-(pinned on CUDA), device input buffers and output buffers, so that step N+1 can be prepared and
-launched while step N still runs. Per-request sampler state (the last sampled token, output
-token counts, the prompt-token mask) lives on the device in one row per running request; a
-decode whose input token is not yet on the host reads it from `last_tokens[row]`, which the
-previous step's sampler wrote (stream order makes that safe).
+The runner speaks only of arrays. Each of the backend's slots (three) owns its own staging
+buffers (pinned on CUDA), device input buffers and output buffers, so that step N+1 can be
+prepared and launched while step N still runs, and a step whose guided rows wait for their masks
+can keep its slot while the next steps run on the others. Per-request sampler state (the last
+sampled token, output token counts, the prompt-token mask) lives on the device in one row per
+running request; a decode whose input token is not yet on the host reads it from
+`last_tokens[row]`, which the previous step's sampler wrote (stream order makes that safe).
 
 Numpy backend: the device part of a step runs in one worker thread, in launch order.
 CUDA backend: it is enqueued on the slot's stream from the calling thread; a waiter thread
@@ -206,13 +207,24 @@ class StepHandle:
         return self.deferred is None and self.future is not None and self.future.done()
 
     def result(self) -> StepOutput:
-        self._check_sampled().result()  # re-raises a failure of the step
+        future = self._check_sampled()
+        try:
+            future.result()  # re-raises a failure of the step
+        except BaseException:
+            self.runner._free_slot(self)
+            raise
         return self.runner._collect(self)
 
     async def wait(self) -> StepOutput:
         import asyncio
 
-        await asyncio.wrap_future(self._check_sampled())
+        future = self._check_sampled()
+        try:
+            await asyncio.wrap_future(future)
+        except BaseException:
+            if future.done():  # the step failed (not the waiter cancelled): its slot is free
+                self.runner._free_slot(self)
+            raise
         return self.runner._collect(self)
 
     async def wait_first(self) -> StepOutput:
@@ -222,7 +234,12 @@ class StepHandle:
 
         if self.first is None or self.deferred is None:
             raise RuntimeError(f"step {self.step_id} has no first pass of its own to wait for")
-        await asyncio.wrap_future(self.first)
+        try:
+            await asyncio.wrap_future(self.first)
+        except BaseException:
+            if self.first.done():
+                self.runner._free_slot(self)
+            raise
         out = self.runner._collect(self, first=True)
         self.first_collected = True
         return out
@@ -297,6 +314,7 @@ class _Launch:
     num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
     late_owners: tuple = ()              # (batch row, request id, _Row) the second pass records
     masks_need_previous: bool = False    # a guided row's input is the previous step's token
+    fences: tuple[int, ...] = ()         # slots whose second passes this step runs after
 
 
 class ModelRunner:
@@ -341,6 +359,15 @@ class ModelRunner:
         self.row_blocks = np.zeros((rows, self.max_blocks), np.int32)
         self.step_id = 0
         self.prev_slot: int | None = None
+        # The step id holding each slot, until its tokens are all collected: a step whose second
+        # pass waits for masks keeps its slot (staged inputs, parked logits, outputs) while the
+        # next steps take the others.
+        self._owner: list[int | None] = [None] * len(self.slots)
+        self._last_slot = -1  # the slot the last step was launched on (host side)
+        # Slots where a second pass was launched since the last step: the next step runs after
+        # them, as it may read their tokens (the stream order of the step before it covers only
+        # its own slot).
+        self._fences: set[int] = set()
         # numpy: the step's device part runs here, in launch order (the one device).
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-step")
         # cuda: one thread per slot waits on that slot's stream. With one thread for both, a
@@ -364,7 +391,7 @@ class ModelRunner:
 
     # ---- setup ------------------------------------------------------------------------------
     def _reserve_step_memory(self, plan: StepMemory) -> None:
-        """Reserve both slots' step memory, or refuse to start, naming the flags that size it."""
+        """Reserve every slot's step memory, or refuse to start, naming the flags that size it."""
         ops, cfg = self.ops, self.cfg
         need = ops.num_slots() * plan.per_slot_bytes
         advice = (f"the largest step these flags allow ({plan.tokens} tokens over {plan.seqs} sequences: "
@@ -545,7 +572,7 @@ class ModelRunner:
         launch_time = time.monotonic()
         for rid in batch.released:
             self.release(rid)
-        slot = self.step_id % len(self.slots)
+        slot = self._take_slot()
         buf = self.slots[slot]
         seqs = batch.seqs
         nseq = len(seqs)
@@ -699,7 +726,7 @@ class ModelRunner:
                        route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
                        deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased,
                        late_owners=tuple(mask_owners) if deferred else (),
-                       masks_need_previous=from_last_guided)
+                       masks_need_previous=from_last_guided, fences=tuple(self._fences - {slot}))
         self.step_id += 1
         future: concurrent.futures.Future | None = None
         first: concurrent.futures.Future | None = None
@@ -708,12 +735,34 @@ class ModelRunner:
             first = future if deferred else None
         else:
             self._device_step(step)
+        self._fences.clear()
+        self._owner[slot] = self.step_id - 1
+        if self.ops.name != "numpy":
             # A deferred step's wait is for its first pass until sample_deferred() launches the
             # second (the slot records no other work before that).
             done = self._completion(slot)
             future, first = (None, done) if deferred else (done, None)
         return StepHandle(self, self.step_id - 1, slot, plan, future, launch_time,
                           step if deferred else None, first)
+
+    @property
+    def has_free_slot(self) -> bool:
+        """Whether a step can be launched now: some slot holds no uncollected step."""
+        return None in self._owner
+
+    def _take_slot(self) -> int:
+        """The first free slot after the last one launched on (slots rotate when all are free)."""
+        n = len(self.slots)
+        for k in range(1, n + 1):
+            if self._owner[(self._last_slot + k) % n] is None:
+                self._last_slot = (self._last_slot + k) % n
+                return self._last_slot
+        raise RuntimeError("every slot holds a step whose tokens are not collected yet")
+
+    def _free_slot(self, h: StepHandle) -> None:
+        """h's tokens are all collected (or it failed): its slot takes new steps."""
+        if self._owner[h.slot] == h.step_id:
+            self._owner[h.slot] = None
 
     def _mask_view(self, buf: _SlotBuffers, rows: int) -> np.ndarray:
         return buf.bitmask[0][: rows * self.mask_words].reshape(rows, self.mask_words)
@@ -749,6 +798,7 @@ class ModelRunner:
                 h.future = self.worker.submit(self._timed, self._resume_sample, (st, forward))
                 return
             self._resume_sample((st, None))
+            self._fences.add(st.slot)
             h.future = self._completion(st.slot)
         except Exception as exc:
             failed: concurrent.futures.Future = concurrent.futures.Future()
@@ -784,6 +834,9 @@ class ModelRunner:
         with ops.slot(slot):
             if self.prev_slot is not None and self.prev_slot != slot:
                 ops.after(slot, self.prev_slot)
+            for other in st.fences:
+                if other != self.prev_slot:
+                    ops.after(slot, other)
             self.prev_slot = slot
             forward: Any  # the decode graph, its forward replayed, or the logits
             if st.route == "graph":
@@ -1027,6 +1080,8 @@ class ModelRunner:
             else:
                 out.append(SampledToken(rid, int(got.ids[b]), None, None))
         done = (h.first if first else h.future).result()
+        if not first:
+            self._free_slot(h)
         return StepOutput(h.step_id, tuple(out), h.launch_time, done)
 
     def shutdown(self) -> None:

@@ -180,13 +180,13 @@ def test_upload_upcasts_bf16_and_plumbing_is_trivial():
     parts[1].replay()
     parts[0].replay()
     assert calls == [1, 1, 3, 2]
-    assert ops.num_slots() == 2 and ops.done(1)
+    assert ops.num_slots() == 3 and ops.done(1)
     with ops.slot(1):
         ops.after(1, 0)
         ops.record(1)
     ops.wait(1)
-    with pytest.raises(ValueError, match="slot 2"):
-        ops.slot(2)
+    with pytest.raises(ValueError, match="slot 3"):
+        ops.slot(3)
 
 
 def test_get_backend_names():

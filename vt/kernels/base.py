@@ -191,7 +191,8 @@ class Backend(Protocol):
 
     # ---- async plumbing (the runner's view of streams, arenas and graphs) ------------------
     def num_slots(self) -> int:
-        """How many steps may be in flight: 2 (one stream, arena and event set each)."""
+        """How many steps may be held at once: 3 (one stream, arena and event set each): two in
+        flight and one whose second sampler pass waits for its masks."""
 
     def slot(self, i: int) -> Any:
         """Context manager: while open, ops run on slot i's stream and take outputs from slot i's

@@ -40,7 +40,9 @@ from vt.kernels.dependent_launch import DependentLauncher
 from vt.kernels.sources import ARCH_KERNEL_FILES, KERNEL_FILES, translation_unit
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
-_NUM_SLOTS = 2
+# Two steps in flight, and a third slot for a step whose guided rows' second sampler pass
+# still waits for its masks (the runner's late steps) while the next steps run.
+_NUM_SLOTS = 3
 _ATTN_SMEM_MAX = 200 * 1024
 _SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
 _GREEDY_EPS = 1e-5

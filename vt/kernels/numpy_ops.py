@@ -18,7 +18,9 @@ from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
-_NUM_SLOTS = 2
+# Two steps in flight, and a third slot for a step whose guided rows' second sampler pass
+# still waits for its masks (the runner's late steps) while the next steps run.
+_NUM_SLOTS = 3
 
 
 def _np_dtype(dtype: str) -> type:
