@@ -117,8 +117,10 @@ async def test_chat_template_is_bounded_and_off_the_loop(monkeypatch, render, ex
     assert expect in str(err)
     if render is _spin_forever:  # a second of template: the loop kept turning (~95 turns of 5 ms)
         assert ticks >= 20, ticks
-    if render is _grow_forever:  # it reaches the bound in a few tens of ms
-        assert ticks >= 3, ticks
+    if render is _grow_forever:  # it reaches the bound in ~20 ms: the loop turned meanwhile (a
+        # render on the loop's thread would leave it none); how often, in so short a time, is the
+        # switch interval's business (2-4 turns), so the spinning template above checks the rate
+        assert ticks >= 1, ticks
     assert sys.gettrace() is None  # the tracer lived in the worker thread only
 
 
