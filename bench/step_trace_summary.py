@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+IDLE_GAP_S = 0.05  # a gap this long is the load's (no request to run), not the host's
+
 
 def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -30,10 +32,15 @@ def group_of(step: dict, budget: int) -> str:
 def summarize(steps: list[dict], budget: int) -> list[str]:
     total = sum(s["device_ms"] for s in steps) / 1e3
     span = (steps[-1]["end"] - steps[0]["launch"]) if steps else 0.0
-    # The device waited for the host: a step launched after the one before it had ended.
-    waits = [b["start"] - a["end"] for a, b in zip(steps, steps[1:]) if b["start"] > a["end"]]
+    # The device waited: a step launched after the one before it had ended. A short gap is the
+    # host's (work was there, the launch came late); a long one is the load's (no request came,
+    # as between a benchmark's phases).
+    gaps = [b["start"] - a["end"] for a, b in zip(steps, steps[1:]) if b["start"] > a["end"]]
+    waits = [g for g in gaps if g < IDLE_GAP_S]
+    idle = [g for g in gaps if g >= IDLE_GAP_S]
     out = [f"{len(steps)} steps, device {total:.2f} s of a {span:.2f} s span, budget {budget} tokens; "
-           f"{len(waits)} steps launched after the previous one ended, {sum(waits):.2f} s in those gaps",
+           f"{len(waits)} steps launched after the previous one ended, {sum(waits):.2f} s in those gaps; "
+           f"{len(idle)} idle gaps of {IDLE_GAP_S * 1e3:.0f} ms or more, {sum(idle):.2f} s",
            "| group | steps | device s | share | mean ms | tokens | decodes | prompt tok | us/token |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     groups: dict[str, list[dict]] = {}

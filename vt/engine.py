@@ -420,14 +420,14 @@ class AsyncEngine:
 
     def _launch_masked(self, h: StepHandle) -> None:
         """Launch a step's second sampler pass with its masks, waiting for them if they are still
-        filling (filling them here if they never started)."""
+        filling (and for their fill if it never started: on the mask thread all the same, after
+        any fill still running for a dropped step that held the same slot's buffer)."""
         if not h.awaiting_masks:
             return
-        job = self._masks.pop(h.step_id, None)
-        if job is None:
-            self.runner.sample_deferred(h, self._fill_masks)
-        else:
-            self.runner.sample_deferred(h, lambda _rids, _out: job.result())
+        if h.step_id not in self._masks:
+            self._start_masks(h)
+        job = self._masks.pop(h.step_id)
+        self.runner.sample_deferred(h, lambda _rids, _out: job.result())
 
     def _masks_ready(self, h: StepHandle) -> bool:
         job = self._masks.get(h.step_id)

@@ -278,11 +278,14 @@ def test_step_trace_summary_groups_steps_by_what_they_computed(tmp_path: Path) -
 
     steps = [step(0, 50.0, 0, 2048), step(1, 40.0, 100, 1948), step(2, 20.0, 10, 500), step(3, 10.0, 200, 0),
              step(4, 10.0, 100, 0)]
+    steps[4] = {**steps[4], "start": steps[3]["end"] + 0.002, "end": steps[3]["end"] + 0.012}
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(s) + "\n" for s in steps))
     lines = summary.summarize(summary.load(trace), budget=2048)
     assert lines[0].startswith("5 steps, device 0.13 s")
-    assert lines[0].endswith("4 steps launched after the previous one ended, 0.28 s in those gaps")
+    # gaps of 50, 60 and 80 ms are idle; the 2 ms one is the host's
+    assert lines[0].endswith("1 steps launched after the previous one ended, 0.00 s in those gaps; "
+                             "3 idle gaps of 50 ms or more, 0.19 s")
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
     assert rows["prompt, budget full"][1:5] == ["2", "0.09", "69%", "45.00"]
     assert rows["prompt, budget < 90%"][1] == "1"
