@@ -177,12 +177,6 @@ class StepHandle:
         return self.deferred is not None
 
     @property
-    def masks_need_previous(self) -> bool:
-        """Its masks need the step before it processed: a guided row's input is that step's
-        token, which its guide has not seen yet."""
-        return self.deferred is not None and self.deferred.masks_need_previous
-
-    @property
     def late_request_ids(self) -> tuple[str, ...]:
         """The requests whose tokens the second pass samples; () once it is launched."""
         return self.deferred.mask_rids if self.deferred is not None else ()
@@ -313,7 +307,6 @@ class _Launch:
     bias_inits: tuple = ()               # (row, tokens, biases) of admissions that bias logits
     num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
     late_owners: tuple = ()              # (batch row, request id, _Row) the second pass records
-    masks_need_previous: bool = False    # a guided row's input is the previous step's token
     fences: tuple[int, ...] = ()         # slots whose second passes this step runs after
 
 
@@ -726,7 +719,7 @@ class ModelRunner:
                        route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
                        deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased,
                        late_owners=tuple(mask_owners) if deferred else (),
-                       masks_need_previous=from_last_guided, fences=tuple(self._fences - {slot}))
+                       fences=tuple(self._fences - {slot}))
         self.step_id += 1
         future: concurrent.futures.Future | None = None
         first: concurrent.futures.Future | None = None
