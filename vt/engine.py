@@ -545,18 +545,9 @@ class AsyncEngine:
                         self.late_steps += 1
                         self._busy_after_done = self.scheduler.has_unfinished()
                         continue
-                if h.awaiting_masks and h.step_id not in self._masks:
-                    if self._late:
-                        await self._finish_late()  # h's masks need tokens of older, late steps
-                    if self._guides_current(h):
-                        self._start_masks(h)  # h was out of the queue when they came in
-                if (job := self._masks.get(h.step_id)) is not None and not job.done():
-                    # The loop serves HTTP (the free rows' chunks) while the masks fill; a failed
-                    # fill fails the step in the launch below.
-                    filled = asyncio.wrap_future(job)
-                    await asyncio.wait([filled])
-                    filled.exception()  # taken here so it is not logged as lost; job.result() raises it
-                self._launch_masked(h)  # its masks are filled by now (or filled here if never started)
+                if self._late and h.awaiting_masks and h.step_id not in self._masks:
+                    await self._finish_late()  # h's masks need tokens of older, late steps
+                await self._launch_when_masked(h)
                 try:
                     out = await h.wait()
                 except Exception as exc:
@@ -616,19 +607,26 @@ class AsyncEngine:
                 continue
             self._process(out)
 
+    async def _launch_when_masked(self, h: StepHandle) -> None:
+        """Launch h's second pass once its masks are filled, the loop serving HTTP (the free
+        rows' chunks) meanwhile. Only for the oldest step not yet collected: every earlier token
+        of its guided requests is processed, so masks it never started are started here, on the
+        mask thread. A failed fill fails the step in the launch."""
+        if h.awaiting_masks and h.step_id not in self._masks:
+            self._start_masks(h)
+        if (job := self._masks.get(h.step_id)) is not None and not job.done():
+            filled = asyncio.wrap_future(job)
+            await asyncio.wait([filled])
+            filled.exception()  # taken here so it is not logged as lost; job.result() raises it
+        self._launch_masked(h)
+
     async def _finish_late(self, one: bool = False) -> None:
         """Wait for the late steps' masks and second passes, oldest first, and process their
         guided rows (one: the oldest only)."""
         late = self._late
         while late:
             h = late[0]
-            if h.awaiting_masks and h.step_id not in self._masks and self._guides_current(h):
-                self._start_masks(h)  # every earlier token is processed: fill them off the loop
-            if (job := self._masks.get(h.step_id)) is not None and not job.done():
-                filled = asyncio.wrap_future(job)
-                await asyncio.wait([filled])
-                filled.exception()  # taken here so it is not logged as lost; job.result() raises it
-            self._launch_masked(h)  # its masks are filled by now
+            await self._launch_when_masked(h)
             try:
                 out = await h.wait()
             except Exception as exc:
