@@ -82,6 +82,28 @@ extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, un
 """
 
 
+# Element kernels the simulator launches: name -> (C parameters, the call's arguments).
+_ELEMENT_KERNELS = {
+    "silu_mul_k": ("const bf16_t* x, bf16_t* out, int tokens, int inter, const bf16_t* rms_of, "
+                   "int rms_width, float eps", "x, out, tokens, inter, rms_of, rms_width, eps"),
+    "qk_norm_rope_write_kv_k": (
+        "bf16_t* q, int q_stride, bf16_t* k, int k_stride, bf16_t* v, int v_stride, const bf16_t* q_norm, "
+        "const bf16_t* k_norm, float eps, const int* positions, const float* inv_freq, bf16_t* k_cache, "
+        "bf16_t* v_cache, const int* slot_mapping, long long num_slots, int tokens, int hq, int hk, int d, "
+        "const bf16_t* rms_of, int rms_width, const bf16_t* bias",
+        "q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache, "
+        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias"),
+}
+
+
+def _element_launchers() -> str:
+    return "\n".join(
+        f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem, '
+        f"{params}) {{ return sim::launch(gx, gy, gz, threads, smem, [&] {{ {name}({args}); }}); }}"
+        for name, (params, args) in _ELEMENT_KERNELS.items()
+    )
+
+
 def compile_host(tag: str, src: str) -> ctypes.CDLL:
     """Host C++ (from host_source, plus launchers) built once per content into a shared library."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -112,6 +134,8 @@ def build(fname: str) -> ctypes.CDLL:
         src += "\n" + _launchers(read_source(fname))
     elif fname == "attention.cu":
         src += _SCALAR + _COMBINE
+    elif fname == "elementwise.cu":
+        src += "\n" + _element_launchers()
     return compile_host(Path(fname).stem, src)
 
 

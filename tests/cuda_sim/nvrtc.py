@@ -1,5 +1,6 @@
 """Compile vt's kernel files with NVRTC for sm_90a on any machine, GPU or not, and read ptxas'
-resource report (registers, spills) per kernel. `python3 -m tests.cuda_sim.nvrtc` prints it.
+resource report (registers, spills) per kernel. `python3 -m tests.cuda_sim.nvrtc` prints it;
+`python3 -m tests.cuda_sim.nvrtc --code` prints a hash of each kernel's machine code instead.
 
 NVRTC comes from the nvidia-cuda-nvrtc-cu12 wheel (the `test` extra on Linux x86-64) or from a
 CUDA install; without either, `load` raises NvrtcUnavailable."""
@@ -9,7 +10,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import hashlib
 import re
+import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +56,35 @@ def load() -> ctypes.CDLL:
 
 def compile_report(lib: ctypes.CDLL, fname: str, arch: str = "sm_90a") -> tuple[int, str]:
     """(NVRTC's result code, its log with ptxas' -v lines) for one kernel file as cuda_ops builds it."""
+    rc, log, _ = _compile(lib, fname, arch)
+    return rc, log
+
+
+def kernel_code(lib: ctypes.CDLL, fname: str, arch: str = "sm_90a") -> dict[str, str]:
+    """Each kernel's machine code in the file's cubin, as a short hash: a change whose kernels all
+    hash as before compiles to the same instructions, so it needs no device run to be trusted."""
+    rc, log, cubin = _compile(lib, fname, arch)
+    if rc:
+        raise RuntimeError(f"{fname} does not compile:\n{log[-2000:]}")
+    return {name[len(".text."):]: hashlib.sha256(code).hexdigest()[:12]
+            for name, code in _elf_sections(cubin).items() if name.startswith(".text.")}
+
+
+def _elf_sections(elf: bytes) -> dict[str, bytes]:
+    """Section name -> contents of a little-endian ELF64 file (a cubin)."""
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx]
+    strtab = elf[names[4] : names[4] + names[5]]
+    out = {}
+    for name_off, _type, _flags, _addr, off, size in heads:
+        name = strtab[name_off : strtab.index(b"\0", name_off)].decode()
+        out[name] = elf[off : off + size]
+    return out
+
+
+def _compile(lib: ctypes.CDLL, fname: str, arch: str) -> tuple[int, str, bytes]:
     prog = ctypes.c_void_p()
     src = translation_unit(fname).encode()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, fname.encode(), 0, None, None):
@@ -62,8 +95,14 @@ def compile_report(lib: ctypes.CDLL, fname: str, arch: str = "sm_90a") -> tuple[
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     buf = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buf)
+    cubin = b""
+    if rc == 0:
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        code = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, code)
+        cubin = code.raw
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return rc, buf.value.decode(errors="replace")
+    return rc, buf.value.decode(errors="replace"), cubin
 
 
 def resources(log: str) -> list[KernelResources]:
@@ -81,7 +120,14 @@ def resources(log: str) -> list[KernelResources]:
 
 
 def main() -> None:
+    """Every kernel file's registers and spills; with --code, each kernel's machine-code hash
+    (run it in two checkouts and diff the output to see which kernels a change touched)."""
     lib = load()
+    if "--code" in sys.argv[1:]:
+        for fname in [*KERNEL_FILES, *ARCH_KERNEL_FILES]:
+            for name, digest in sorted(kernel_code(lib, fname).items()):
+                print(f"{fname} {name} {digest}")
+        return
     for fname in [*KERNEL_FILES, *ARCH_KERNEL_FILES]:
         rc, log = compile_report(lib, fname)
         print(f"{fname}: {'ok' if rc == 0 else 'FAILED'}")

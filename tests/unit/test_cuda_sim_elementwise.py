@@ -1,0 +1,124 @@
+"""The element kernels every layer runs (elementwise.cu's SiLU-mul and the attention prologue),
+run on the host simulator in tests/cuda_sim and matched against the numpy twin, over the grids
+cuda_ops launches them with: one or several blocks a token's row, fewer token blocks than tokens
+(blocks stride over tokens), rows whose chunks do not fill a thread's group of loads."""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.cuda_sim import SimUnavailable, build
+from vt.kernels.numpy_ops import NumpyBackend
+
+BF16_TOL = 1e-2
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_LAUNCH = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        lib = build("elementwise.cu")
+    except SimUnavailable as e:
+        pytest.skip(str(e))
+    lib.sim_silu_mul_k.argtypes = _LAUNCH + [_P, _P, _I, _I, _P, _I, ctypes.c_float]
+    lib.sim_qk_norm_rope_write_kv_k.argtypes = _LAUNCH + [
+        _P, _I, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_longlong, _I, _I, _I, _I,
+        _P, _I, _P]
+    return lib
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def _float(bits: np.ndarray) -> np.ndarray:
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+
+
+def _ptr(a: np.ndarray | None, offset: int = 0) -> int | None:
+    return None if a is None else a.ctypes.data + offset * a.itemsize
+
+
+@pytest.mark.parametrize(
+    ("tokens", "inter", "parts", "token_blocks", "threads"),
+    [
+        (3, 8 * 37, 1, 3, 32),  # a thread's chunks: 2 of a group of 4
+        (5, 8 * 300, 1, 2, 32),  # 10 chunks a thread (3 groups, the last short), blocks stride over tokens
+        (4, 8 * 100, 3, 4, 32),  # three blocks a row
+        (2, 8 * 20, 2, 2, 64),  # threads past the row's chunks
+    ],
+)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_silu_mul_matches_numpy(lib, tokens, inter, parts, token_blocks, threads, scaled):
+    rng = np.random.default_rng(tokens * inter + parts)
+    x = _bits(rng.standard_normal((tokens, 2 * inter)) * 3)
+    r = _bits(rng.standard_normal((tokens, 96))) if scaled else None
+    out = np.full((tokens, inter), 0xFFFF, np.uint16)
+    rc = lib.sim_silu_mul_k(parts, token_blocks, 1, threads, 0, _ptr(x), _ptr(out), tokens, inter, _ptr(r),
+                            0 if r is None else r.shape[1], 1e-6)
+    assert rc == 0
+    want = NumpyBackend().silu_mul(_float(x), rms_of=None if r is None else _float(r), eps=1e-6)
+    assert _rel(_float(out), want) < BF16_TOL
+
+
+def test_silu_mul_extremes(lib):
+    """Gates far below and above the exponential's range give 0 and the gate (no NaN)."""
+    g = np.array([-1e30, -200.0, -90.0, -1.0, 0.0, 1.0, 90.0, 1e30], np.float32)
+    x = _bits(np.concatenate([g, np.ones(8, np.float32)])[None, :])
+    out = np.zeros((1, 8), np.uint16)
+    assert lib.sim_silu_mul_k(1, 1, 1, 32, 0, _ptr(x), _ptr(out), 1, 8, None, 0, 0.0) == 0
+    got = _float(out)[0]
+    assert np.isfinite(got).all()
+    with np.errstate(over="ignore"):
+        want = NumpyBackend().silu_mul(_float(x))[0]
+    assert np.allclose(got, want, rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize(("hq", "hk", "d", "parts", "token_blocks"), [(4, 2, 128, 1, 5), (4, 1, 64, 2, 2),
+                                                                        (8, 2, 128, 2, 3)])
+@pytest.mark.parametrize("prescale", [False, True])
+def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
+    rng = np.random.default_rng(hq * d + parts + prescale)
+    t, nb, bs, eps = 5, 4, 4, 1e-6
+    width = (hq + 2 * hk) * d
+    qkv = _bits(rng.standard_normal((t, width)))
+    q_norm, k_norm = _bits(1 + 0.1 * rng.standard_normal(d)), _bits(1 + 0.1 * rng.standard_normal(d))
+    positions = rng.integers(0, 500, t).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    slots = np.array([3, 7, -1, 12, 0], np.int32)  # -1: a padding token, written nowhere
+    rms_of = _bits(rng.standard_normal((t, 64))) if prescale else None
+    bias = _bits(0.1 * rng.standard_normal(width)) if prescale else None
+    k_cache = np.zeros((nb, bs, hk, d), np.uint16)
+    v_cache = np.zeros_like(k_cache)
+
+    ref = _float(qkv)
+    q = ref[:, : hq * d].reshape(t, hq, d).copy()
+    k = ref[:, hq * d : (hq + hk) * d].reshape(t, hk, d).copy()
+    v = ref[:, (hq + hk) * d :].reshape(t, hk, d).copy()
+    kc, vc = np.zeros((nb, bs, hk, d), np.float32), np.zeros((nb, bs, hk, d), np.float32)
+    NumpyBackend().qk_norm_rope_write_kv(q, k, v, _float(q_norm), _float(k_norm), eps, positions, inv_freq,
+                                         kc, vc, slots, rms_of=None if rms_of is None else _float(rms_of),
+                                         bias=None if bias is None else _float(bias))
+
+    rc = lib.sim_qk_norm_rope_write_kv_k(
+        parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
+        width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
+        _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
+        _ptr(bias))
+    assert rc == 0
+    got = _float(qkv)
+    assert _rel(got[:, : hq * d].reshape(t, hq, d), q) < BF16_TOL
+    assert _rel(got[:, hq * d : (hq + hk) * d].reshape(t, hk, d), k) < BF16_TOL
+    assert _rel(_float(k_cache), kc) < BF16_TOL
+    assert _rel(_float(v_cache), vc) < BF16_TOL
+    assert not _float(k_cache).reshape(nb * bs, hk, d)[[s for s in range(nb * bs) if s not in slots]].any()
