@@ -2,6 +2,7 @@
 against a device of a given speed, on a machine without that device.
 
     python3 bench/emulated_device.py --step-ms 3.4 --token-us 2 serve --model DIR --device cpu ...
+    python3 bench/emulated_device.py --cost-model serve --model DIR --device cpu ...
 
 Everything after the emulation's own flags is `vt`'s command line. The server is the CPU build
 of vt (numpy backend, one step worker) in which a step's device part does no arithmetic: it
@@ -21,6 +22,7 @@ one speed for every batch size, so pick `--step-ms` from a measured step of the 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import sys
 import time
@@ -97,16 +99,30 @@ class LaunchingExecutor:
         self.side.shutdown(wait=wait)
 
 
-def install(step_ms: float, token_us: float) -> None:
-    """Replace ModelRunner's device part with the timed stand-in (for this process)."""
+def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
+    """Replace ModelRunner's device part with the timed stand-in (for this process). With
+    cost_model, a step takes what bench/schedule_sim.py's StepCost prices its batch at (the 8B
+    steps of an H100, padded to the piece sizes as CUDA graphs pad them) instead."""
     from vt import runner
 
     init = runner.ModelRunner.__init__
+    execute = runner.ModelRunner.execute
+    cost = None
+    if cost_model:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from schedule_sim import StepCost
+
+        cost = StepCost()
 
     def with_clock(self: runner.ModelRunner, *a: Any, **k: Any) -> None:
         init(self, *a, **k)
         self.emulated_clock = DeviceClock()
+        self.emulated_costs = collections.deque()  # each executed step's seconds, in launch order
         self.worker = LaunchingExecutor(self.worker, self.emulated_clock, resume_sample)
+
+    def priced(self: runner.ModelRunner, batch: Any, *a: Any, **k: Any) -> Any:
+        self.emulated_costs.append(cost.seconds(batch) if cost is not None else None)
+        return execute(self, batch, *a, **k)
 
     def sample(rn: runner.ModelRunner, st: Any, out: np.ndarray, masked: bool) -> None:
         buf = rn.slots[st.slot]
@@ -120,7 +136,10 @@ def install(step_ms: float, token_us: float) -> None:
                     out[b] = tok
 
     def device_step(self: runner.ModelRunner, st: Any) -> None:
-        self.emulated_clock.run((step_ms * 1e3 + token_us * st.ntok) / 1e6)
+        seconds = self.emulated_costs.popleft() if self.emulated_costs else None
+        if seconds is None:
+            seconds = (step_ms * 1e3 + token_us * st.ntok) / 1e6
+        self.emulated_clock.run(seconds)
         # a deferred step's first pass: its guided rows come from the second (sample_deferred)
         sample(self, st, self.slots[st.slot].out.ids, not st.deferred)
 
@@ -131,20 +150,27 @@ def install(step_ms: float, token_us: float) -> None:
         sample(self, st, self.slots[st.slot].late.ids, True)
 
     runner.ModelRunner.__init__ = with_clock
+    runner.ModelRunner.execute = priced
+    if cost is not None:  # the model pads steps as CUDA's piece graphs do: say so to the scheduler
+        runner.ModelRunner.padded_step_sizes = property(lambda rn: rn.piece_sizes)
     runner.ModelRunner._device_step = device_step
     runner.ModelRunner._resume_sample = resume_sample
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--step-ms", type=float, required=True, help="device time of every step")
+    ap.add_argument("--step-ms", type=float, default=None, help="device time of every step")
     ap.add_argument("--token-us", type=float, default=0.0, help="device time added per token of a step")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="price each step by bench/schedule_sim.py's StepCost (8B on an H100) instead")
     args, rest = ap.parse_known_args(argv)
+    if (args.step_ms is None) == (not args.cost_model):
+        ap.error("give either --step-ms or --cost-model")
     if not rest or rest[0] != "serve":
         ap.error("give vt's command after the emulation's flags: ... serve --model DIR --device cpu")
     if "cpu" not in rest and "numpy" not in rest:
         ap.error("the emulation replaces the CPU backend's step: pass --device cpu")
-    install(args.step_ms, args.token_us)
+    install(args.step_ms or 0.0, args.token_us, args.cost_model)
     from vt import cli
 
     return cli.main(rest)

@@ -159,6 +159,32 @@ for s in $steps; do
           done
         done
       done ;;
+    pacing)  # the 8B target rows with and without --prefill-pacing, alternated, each traced
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for rep in ${REPS:-1 2}; do
+        for arm in off on; do
+          f="/tmp/pace_${arm}_${rep}.jsonl"
+          flag=$([ "$arm" = on ] && echo "--prefill-pacing")
+          timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-pacing-$arm" --rows targets \
+            --targets "${PACE_ROWS:-8000/64,1024/128}" --out "/tmp/pace_$arm" \
+            --server-args="--max-num-seqs 256 --max-model-len 16384 $flag --step-trace $f" 2>&1 \
+            | grep "^| target" | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
+          python3 bench/step_trace_summary.py "$f" --budget 2048 | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
+        done
+      done ;;
+    overlap)  # a mixed step against its prompt and decode rows as two steps side by side (SM targets)
+      timeout 400 python3 bench/overlap_probe.py --preset 8b --decodes "${DECODES:-227}" --context "${CONTEXT:-1088}" \
+        --prompt "${PROMPT:-1820}" --sms "${SMS:-0,16,24,32,48}" 2>&1 | tail -30 | tee "$OUT/overlap.log" ;;
+    kernels_ab)  # the element kernels' times on this tree against another checkout ($AB_BASE), alternated
+      for rep in 1 2; do
+        for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
+          for b in ${AB_BATCHES:-2047 227}; do
+            (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 bench/kernel_bench.py --batch "$b") 2>&1 \
+              | grep -iE "silu|qk_norm|rms" | sed "s|^|$([ "$tree" = . ] && echo this || echo base) b=$b r$rep |" \
+              | tee -a "$OUT/kernels_ab.log"
+          done
+        done
+      done ;;
     ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling
       n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       for t in ${TILINGS:-wgv}; do

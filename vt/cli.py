@@ -50,6 +50,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="fcfs: arrival order; priority: the request field `priority`, lower first")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over several steps")
+    p.add_argument("--prefill-pacing", action="store_true",
+                   help="while requests decode, spread the last waiting prompt over the steps until the "
+                        "soonest of them finishes instead of running it in full steps: more throughput "
+                        "when prompts come one at a time beside running decodes, at a longer time to "
+                        "first token for that prompt (needs chunked prefill)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -72,6 +77,9 @@ def _positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--max-model-len must be at least 2")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.prefill_pacing and not args.enable_chunked_prefill:
+        parser.error("--prefill-pacing spreads prompts over several steps: it needs chunked prefill "
+                     "(drop --no-enable-chunked-prefill)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -89,7 +97,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
+        prefill_pacing=args.prefill_pacing, enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
         tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,

@@ -27,6 +27,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"       # fcfs | priority
     enable_chunked_prefill: bool = True
+    prefill_pacing: bool = False          # spread the last prompt in line over the decodes' steps
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
     enforce_eager: bool = False

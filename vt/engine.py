@@ -189,6 +189,8 @@ class AsyncEngine:
         self.max_model_len = mml
         if config.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r} (fcfs | priority)")
+        if config.prefill_pacing and not config.enable_chunked_prefill:
+            raise ValueError("prefill pacing spreads prompts over several steps: it needs chunked prefill")
         self.runner = ModelRunner(self.model_config, config, self.ops, mml)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -198,6 +200,8 @@ class AsyncEngine:
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
+            prefill_pacing=config.prefill_pacing,
+            step_sizes=self.runner.padded_step_sizes,
         ))
         self.depth = 2 if config.async_scheduling else 1
         self._states: dict[str, _State] = {}

@@ -382,6 +382,12 @@ class ModelRunner:
         if ops.name == "cuda":
             self.profile_run()
 
+    @property
+    def padded_step_sizes(self) -> tuple[int, ...]:
+        """Token counts a step that no decode graph serves is padded to (its piece graphs);
+        empty where steps run at their own size."""
+        return tuple(sorted({size for _, size in self.pieces}))
+
     # ---- setup ------------------------------------------------------------------------------
     def _reserve_step_memory(self, plan: StepMemory) -> None:
         """Reserve every slot's step memory, or refuse to start, naming the flags that size it."""

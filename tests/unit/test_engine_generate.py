@@ -6,6 +6,7 @@ Checkpoints are made by transformers itself (tests/unit/hf_models.py); a tokeniz
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -60,6 +61,8 @@ ENGINES = {
     "default": dict(),
     "sync": dict(async_scheduling=False),
     "chunked": dict(max_num_batched_tokens=24),
+    # the last prompt in line spread over the steps beside the decodes
+    "paced": dict(max_num_batched_tokens=32, prefill_pacing=True),
     "preempt": dict(num_gpu_blocks=20, block_size=8, max_num_batched_tokens=64),
     "preempt-sync": dict(num_gpu_blocks=20, block_size=8, max_num_batched_tokens=64,
                          async_scheduling=False),
@@ -80,6 +83,7 @@ def test_greedy_matches_transformers(case: tuple, variant: str) -> None:
     with LLM(str(path), device="cpu", max_num_seqs=8, **ENGINES[variant]) as llm:
         if variant.startswith("graph-path"):
             llm.engine.runner.capture_graphs()  # as on CUDA: every size before the first step
+        paced_chunks = _count_paced_chunks(llm) if variant == "paced" else None
         got = llm.generate(prompts, params)
         # A second round hits the prefix cache for every prompt.
         again = llm.generate(prompts, params)
@@ -93,10 +97,29 @@ def test_greedy_matches_transformers(case: tuple, variant: str) -> None:
         assert llm.engine.scheduler.kv_usage == 0.0
         if variant.startswith("graph-path"):
             assert llm.engine.runner.graphs, "decode steps should have gone through captured graphs"
+        if paced_chunks is not None:
+            assert paced_chunks, "no prompt chunk was paced"
     for i, (g, a, e) in enumerate(zip(got, again, expected)):
         assert g.token_ids == e, f"prompt {i}: first divergence at {_first_diff(g.token_ids, e)}"
         assert a.token_ids == e, f"prompt {i} (cached): first divergence at {_first_diff(a.token_ids, e)}"
         assert g.finish_reason == "length"
+
+
+def _count_paced_chunks(llm: LLM) -> list[int]:
+    """Pacing's floor made small enough for these prompts; returns a list that fills with the
+    prompt chunks scheduled short of both their prompt's end and the step's budget."""
+    sched = llm.engine.scheduler
+    sched.cfg = dataclasses.replace(sched.cfg, pacing_floor=4)
+    schedule, paced = sched.schedule, []
+
+    def recording(*args: object, **kw: object):
+        batch = schedule(*args, **kw)
+        if batch.num_tokens < sched.cfg.max_num_batched_tokens:
+            paced.extend(s.num_tokens for s in batch.seqs if s.num_tokens > 1 and not s.sample)
+        return batch
+
+    sched.schedule = recording
+    return paced
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

@@ -78,6 +78,8 @@ def test_every_flag_has_help_that_shows_its_default(command):
      "lower --max-model-len to at most 384, or raise --num-gpu-blocks to at least 64"),
     (("--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--max-model-len", "1024"),
      "--max-num-batched-tokens 512 is less than --max-model-len 1024"),
+    (("--prefill-pacing", "--no-enable-chunked-prefill"),
+     "--prefill-pacing spreads prompts over several steps"),
 ])
 def test_launch_flags_vt_cannot_honour_fail_with_a_message(model, args, needle):
     r = vt("serve", str(model), "--device", "cpu", *args)

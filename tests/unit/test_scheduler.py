@@ -522,24 +522,32 @@ def test_prefix_caching_off():
 def test_outputs_match_reference_under_preemption(depth, policy, chunked):
     cfg = _cfg(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=16, policy=policy,
                enable_chunked_prefill=chunked)
+    s, _ = _run_against_reference(cfg, depth, seed=1, requests=10, longest_prompt=13)
+    assert s.num_preemptions_total > 0  # the pool is small on purpose
+
+
+def _run_against_reference(cfg: SchedulerConfig, depth: int, seed: int, requests: int,
+                           longest_prompt: int) -> tuple[Scheduler, Engine]:
+    """Random requests run to their length: every output equals the reference's, every block
+    comes back."""
     s = Scheduler(cfg)
     e = Engine(s, depth=depth, stop_at_eos=False)
-    rng = random.Random(1)
+    rng = random.Random(seed)
     reqs = []
-    for i in range(10):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, 14))]
+    for i in range(requests):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, longest_prompt + 1))]
         r = _req(f"r{i}", prompt, arrival=i, seq=i, priority=rng.randrange(3),
                  max_tokens=rng.randrange(1, 20))
         reqs.append(r)
         s.add(r)
     e.run_to_end()
-    assert s.num_preemptions_total > 0  # the pool is small on purpose
     for r in reqs:
         out, status = e.done[r.request_id]
         assert out == _reference(r.prompt_token_ids, r.max_tokens, stop_at_eos=False)
         assert status == RequestStatus.FINISHED_LENGTH
     assert s.pool.num_free == cfg.num_blocks
     s.check_invariants()
+    return s, e
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -594,3 +602,84 @@ def test_random_simulation_ends_with_all_blocks_free(seed):
             assert out == ref
             assert status == (RequestStatus.FINISHED_STOPPED if out[-1] == EOS
                               else RequestStatus.FINISHED_LENGTH)
+
+
+# ---- prefill pacing -------------------------------------------------------------------------------
+def _decoding(s: Scheduler, rid: str, max_tokens: int) -> Request:
+    """A running request past its prompt, its last sampled token appended."""
+    r = _req(rid, 4, max_tokens=max_tokens)
+    s.add(r)
+    b = s.schedule()
+    assert _by_id(b)[rid].sample
+    s.append_token(rid, 1)
+    return r
+
+
+def _paced(**kw) -> SchedulerConfig:
+    return _cfg(num_blocks=256, max_num_batched_tokens=64, prefill_pacing=True, pacing_floor=8,
+                step_sizes=(16, 24, 32, 48, 64), **kw)
+
+
+def test_pacing_spreads_the_last_prompt_over_the_steps_until_a_decode_finishes():
+    s = Scheduler(_paced())
+    d = _decoding(s, "d", max_tokens=13)  # 12 more tokens: 12 steps until it finishes
+    s.add(_req("p", 100, max_tokens=4))
+    chunks = []
+    for _ in range(12):
+        b = _by_id(s.schedule())
+        assert b["d"].num_tokens == 1
+        s.append_token("d", 1)
+        if "p" in b and b["p"].start_pos < 100:
+            # 100 tokens over 12 steps: 9 a step, the step's total rounded up to 16
+            chunks.append(b["p"].num_tokens)
+            assert b["p"].num_tokens + 1 in (16, 24, 32, 48, 64) or b["p"].sample
+        if "p" in b and b["p"].sample:
+            s.append_token("p", 1)
+    assert chunks[:6] == [15] * 6 and sum(chunks) == 100
+    assert d.num_output_planned == 13
+    # unpaced, the prompt would go in two steps: 63 + 37 tokens
+    plain = Scheduler(_cfg(num_blocks=256, max_num_batched_tokens=64))
+    _decoding(plain, "d", max_tokens=13)
+    plain.add(_req("p", 100, max_tokens=4))
+    assert _by_id(plain.schedule())["p"].num_tokens == 63
+
+
+def test_pacing_runs_every_prompt_but_the_last_in_full_steps():
+    s = Scheduler(_paced())
+    _decoding(s, "d", max_tokens=40)
+    s.add(_req("a", 30, seq=1))
+    s.add(_req("b", 100, seq=2))
+    b = _by_id(s.schedule())
+    # a whole, then b's share: 39 steps left, a's 30 tokens take none of them whole,
+    # b's 100 over 39 steps is under the floor: 1 + 30 + 8 rounded up to 48
+    assert b["a"].num_tokens == 30
+    assert b["b"].num_tokens == 48 - 1 - 30
+
+
+def test_pacing_leaves_full_steps_when_nothing_decodes_or_the_work_fills_them():
+    s = Scheduler(_paced())
+    s.add(_req("p", 100))
+    assert s.schedule().num_tokens == 64  # no decode beside: nothing to pace for
+    s2 = Scheduler(_paced())
+    _decoding(s2, "d", max_tokens=3)  # 2 steps left; 150 tokens fill them
+    s2.add(_req("p", 150))
+    assert _by_id(s2.schedule())["p"].num_tokens == 63
+
+
+def test_pacing_config_checks_step_sizes():
+    with pytest.raises(ValueError, match="step_sizes"):
+        _cfg(step_sizes=(32, 16))
+    with pytest.raises(ValueError, match="pacing_floor"):
+        _cfg(pacing_floor=0)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_paced_outputs_match_reference_under_preemption(depth, policy):
+    cfg = _cfg(num_blocks=20, max_num_seqs=6, max_num_batched_tokens=32, policy=policy, prefill_pacing=True,
+               pacing_floor=2, step_sizes=(8, 16, 24, 32))
+    s, e = _run_against_reference(cfg, depth, seed=4, requests=12, longest_prompt=60)
+    assert s.num_preemptions_total > 0
+    # paced chunks ran: prompt chunks short of both their prompt's end and the budget
+    assert any(b.num_tokens < 32 and any(q.num_tokens > 1 and not q.sample for q in b.seqs)
+               for b in e.batches)

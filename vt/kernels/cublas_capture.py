@@ -108,6 +108,13 @@ class CublasGemm:
         ):
             fn.restype = _INT
 
+    def set_sm_count_target(self, sms: int) -> None:
+        """Have the GEMMs launched from now on use about `sms` SMs (0: the whole device), so
+        that work on another stream can run beside them (cublasSetSmCountTarget)."""
+        fn = self._lib.cublasSetSmCountTarget
+        fn.argtypes, fn.restype = [_VP, _INT], _INT
+        self._check(fn(self._handle, sms), "cublasSetSmCountTarget")
+
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:

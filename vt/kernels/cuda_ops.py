@@ -895,6 +895,10 @@ class CudaBackend:
     def done(self, i: int) -> bool:
         return self._slot(i).done_event.done
 
+    def gemm_handle(self, i: int) -> CublasGemm:
+        """Slot i's cuBLAS handle (benchmarks tune it, e.g. its SM count target)."""
+        return self._slot(i).gemm
+
     def wait(self, i: int) -> None:
         self._slot(i).done_event.synchronize()
 

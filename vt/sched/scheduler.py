@@ -43,13 +43,23 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Prefill pacing: while requests decode and the prompt work at hand would not fill the steps
+    # until the soonest of them finishes, spread that work evenly over those steps (at least
+    # pacing_floor tokens a step) instead of running it in full steps followed by decode-only
+    # ones, whose weight reads then carry no prompt rows. step_sizes: the token counts the
+    # device pads a step to (its captured graphs); a paced step is filled up to one of them.
+    prefill_pacing: bool = False
+    pacing_floor: int = 256
+    step_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "pacing_floor"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if list(self.step_sizes) != sorted(set(self.step_sizes)) or any(n < 1 for n in self.step_sizes):
+            raise ValueError(f"step_sizes must be ascending positive token counts, got {self.step_sizes}")
 
 
 class Scheduler:
@@ -161,12 +171,18 @@ class Scheduler:
         if cfg.policy == "priority":
             self._preempt_for_better_waiting(preempted_now)
 
+        # Prompt tokens this step may take (pacing), decodes aside.
+        prompt_left = self._paced_prompt_tokens(hold) if cfg.prefill_pacing else budget
+
         # Running requests first; a victim is always at or after the current index.
         kv_preempted = False
         idx = 0
         while idx < len(self._running) and budget > 0:
             req = self._running[idx]
-            n = 0 if req.request_id in hold else self._num_to_schedule(req, budget)
+            n = 0
+            if req.request_id not in hold:
+                prompt = self._prompt_work(req) > 1
+                n = self._num_to_schedule(req, min(budget, prompt_left) if prompt else budget)
             if n == 0:
                 idx += 1
                 continue
@@ -182,13 +198,15 @@ class Scheduler:
             if got is None:
                 break  # req preempted itself: everything after it is gone too
             req.block_ids.extend(got)
+            if n > 1:
+                prompt_left -= n
             seqs.append(self._emit(req, n))
             budget -= n
             idx += 1
 
         # Admit waiting requests, unless the running set is already short of KV blocks.
         if not kv_preempted:
-            budget = self._admit(budget, seqs, preempted_now)
+            budget -= self._admit(min(budget, prompt_left), seqs, preempted_now)
 
         released = tuple(self._released)
         self._released.clear()
@@ -196,7 +214,9 @@ class Scheduler:
                               num_tokens=cfg.max_num_batched_tokens - budget)
 
     def _admit(self, budget: int, seqs: list[ScheduledSeq], preempted_now: set[str]) -> int:
+        """Admit waiting requests into at most `budget` tokens; returns the tokens taken."""
         cfg = self.cfg
+        start = budget
         pos = 0
         while pos < len(self._waiting) and budget > 0 and len(self._running) < cfg.max_num_seqs:
             req = self._waiting[pos]
@@ -231,7 +251,52 @@ class Scheduler:
                 self._running.append(req)
             seqs.append(self._emit(req, n))
             budget -= n
-        return budget
+        return start - budget
+
+    def _prompt_work(self, req: Request) -> int:
+        """Known tokens of a running request not yet computed: its prompt (or, after a
+        preemption, its history) still to prefill; 0 or 1 for a decode."""
+        return req.num_tokens + req.num_pending - req.num_computed_tokens
+
+    def _paced_prompt_tokens(self, hold: Container[str]) -> int:
+        """The prompt tokens this step takes under pacing. Every prompt in line but the last
+        runs at full steps; the last one is spread over the steps left until the soonest running
+        decode finishes (after the others' full steps), at least pacing_floor a step, and the
+        step's total is rounded up to a step size. Spreading any other prompt would keep a
+        request from decoding that could; the last one's work is what would otherwise run out
+        before a finishing request brings more, leaving steps in which the weights are read for
+        the decodes alone. The whole budget when no decode runs beside, or when the work in line
+        fills those steps anyway."""
+        cfg = self.cfg
+        decodes, steps_left, work, last = 0, 1 << 30, 0, 0
+        for r in self._running:
+            left = self._prompt_work(r)
+            if left > 1:
+                work += left
+                last = left
+            elif r.request_id not in hold and not r.paused and r.num_output_planned < r.max_tokens:
+                decodes += 1
+                steps_left = min(steps_left, r.max_tokens - r.num_output_planned)
+        full = cfg.max_num_batched_tokens - decodes
+        if decodes == 0 or full <= 0:
+            return cfg.max_num_batched_tokens
+        seats = cfg.max_num_seqs - len(self._running)
+        for r in self._waiting:
+            if seats <= 0 or work - last >= full:
+                break
+            if r.num_pending == 0 and not r.paused:
+                last = len(r.prompt_token_ids) + len(r.output_token_ids)
+                work += last
+                seats -= 1
+        others = work - last
+        if others >= full or work >= steps_left * full:
+            return cfg.max_num_batched_tokens
+        after = max(1, steps_left - others // full)
+        total = decodes + others + max(cfg.pacing_floor, _cdiv(last, after))
+        i = bisect.bisect_left(cfg.step_sizes, total)
+        if i < len(cfg.step_sizes):
+            total = cfg.step_sizes[i]
+        return min(full, total - decodes)
 
     def _preempt_for_better_waiting(self, preempted_now: set[str]) -> None:
         """Priority policy: a waiting request with strictly better priority than the worst running
