@@ -270,10 +270,7 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
     constexpr bool Q_SMEM = MT > 1;
     extern __shared__ __align__(16) unsigned char smem[];
 
-    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, TC_KT, true);
-    if (ab.row0 >= ab.nrows) return;
-    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
-    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    ATTN_BLOCK_LOCALS(ROWS, TC_KT);
     const int tile0 = ab.tile0, tile1 = ab.tile1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3, mi = lane >> 3, mr = lane & 7;

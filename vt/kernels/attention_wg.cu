@@ -19,6 +19,15 @@
 // P [NWG][BUFS][64][128 B]; the cache row offsets [STAGES][64]. attention_plan.wg_smem computes
 // the same total.
 
+// The first 1024-byte-aligned address of `smem` (the 128-byte swizzle repeats every 1024 bytes)
+// in the shared window, and gbase the generic pointer to it.
+__device__ __forceinline__ unsigned smem_base_1024(unsigned char* smem, unsigned char*& gbase) {
+    const unsigned raw = smem_u32(smem);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    gbase = smem + (base - raw);
+    return base;
+}
+
 #define WG_KT 64
 #define WG_D 128
 #define WG_SROW (WG_D + 8)                          // V staging row (bf16), ldmatrix conflict free
@@ -57,18 +66,14 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     static_assert(!VDIRECT || (OVERLAP && STAGES >= 3), "direct V needs the overlapped loop and three stages");
     extern __shared__ __align__(16) unsigned char smem[];
 
-    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, WG_KT, true);
-    if (ab.row0 >= ab.nrows) return;
-    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
-    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    ATTN_BLOCK_LOCALS(ROWS, WG_KT);
     const int tile0 = ab.tile0, tile1 = ab.tile1;
     const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
     const int g = lane >> 2, c = lane & 3;
 
     // Addresses: u32 shared-window ones for wgmma and cp.async, generic ones for ldmatrix.
-    const unsigned raw = smem_u32(smem);
-    const unsigned base = (raw + 1023u) & ~1023u;
-    unsigned char* gbase = smem + (base - raw);
+    unsigned char* gbase;
+    const unsigned base = smem_base_1024(smem, gbase);
     const unsigned q_s = base;
     const unsigned stage0 = base + Q_BYTES;
     const unsigned vt_s = stage0 + STAGES * STAGE_BYTES;                  // [VT_BUFS][128][128 B]
@@ -315,18 +320,14 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8
     extern __shared__ __align__(16) unsigned char smem[];
 
-    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, KT, true);
-    if (ab.row0 >= ab.nrows) return;
-    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;
-    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end;
+    ATTN_BLOCK_LOCALS(ROWS, KT);
     // A split past the keys has tile1 < tile0: no tiles, and its one P V reads the zeroed stage.
     const int tile0 = ab.tile0, tile1 = max(ab.tile1, ab.tile0);
     const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
     const int g = lane >> 2, c = lane & 3;
 
-    const unsigned raw = smem_u32(smem);
-    const unsigned base = (raw + 1023u) & ~1023u;
-    unsigned char* gbase = smem + (base - raw);
+    unsigned char* gbase;
+    const unsigned base = smem_base_1024(smem, gbase);
     const unsigned q_s = base;
     const unsigned k_s = base + Q_BYTES;                // K stage s at k_s + s * WGR_TILE
     const unsigned v_s = k_s + STAGES * WGR_TILE;       // V likewise

@@ -142,3 +142,10 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     a.tile1 = min(ntiles, a.tile0 + chunk);
     return a;
 }
+// A tensor-core prompt kernel's place as locals (the kernel's ATTN_TC_PARAMS in scope), longest
+// blocks first; a block past its sequence's rows returns from the kernel.
+#define ATTN_BLOCK_LOCALS(ROWS, KT)                                                                   \
+    const AttnBlock ab = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, KT, true);  \
+    if (ab.row0 >= ab.nrows) return;                                                                  \
+    const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;   \
+    const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end
