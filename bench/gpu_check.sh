@@ -175,6 +175,16 @@ for s in $steps; do
     overlap)  # a mixed step against its prompt and decode rows as two steps side by side (SM targets)
       timeout 400 python3 bench/overlap_probe.py --preset 8b --decodes "${DECODES:-227}" --context "${CONTEXT:-1088}" \
         --prompt "${PROMPT:-1820}" --sms "${SMS:-0,16,24,32,48}" 2>&1 | tail -30 | tee "$OUT/overlap.log" ;;
+    split8)  # the 8B target rows with each mixed step split in two beside each other (VT_SPLIT_DECODE_SMS)
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for k in ${SPLIT_SMS:-0 32}; do
+        f="/tmp/split_$k.jsonl"
+        VT_SPLIT_DECODE_SMS=$k timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-split$k" \
+          --rows targets --targets "${SPLIT_ROWS:-1024/128,8000/64}" --out "/tmp/split_$k" \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 --step-trace $f" 2>&1 \
+          | grep "^| target" | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
+        python3 bench/step_trace_summary.py "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
+      done ;;
     kernels_ab)  # the element kernels' times on this tree against another checkout ($AB_BASE), alternated
       for rep in 1 2; do
         for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do

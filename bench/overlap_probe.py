@@ -12,9 +12,10 @@ on random weights (bench/decode_step.py's runner, eager so the SM targets reach 
 
 - mixed: one step with the decodes and the prompt chunk (how vt runs them today);
 - prompt alone, decodes alone (each with the whole device);
-- side by side at each k of --sms (0: no SM target): the prompt step launched, then the decode
-  step on the next slot without the usual wait for the step before it (the two touch different
-  sequences and KV blocks), and the time until both are done.
+- side by side at each k of --sms (0: no SM target): the decode step launched, then the prompt
+  step beside it (`ModelRunner.execute(..., beside_previous=True)`: the two touch different
+  sequences and KV blocks), and the time until both are done: what `VT_SPLIT_DECODE_SMS=k`
+  makes `vt serve` do with every mixed step.
 
 Wall times per step from the host (launch of the first to completion of the last), median of
 --reps. The decodes read their tokens from the host (no dependence on the step before), so the
@@ -81,66 +82,49 @@ def main() -> None:
 
     runner, _ = build_runner(args.preset, args.decodes, args.context, enforce_eager=True, prefill=args.prompt,
                              device=args.device)
-    ops = runner.ops
+    nsm = runner.num_sms or 132  # numpy: any number, nothing is held
+    sync = lambda: None  # noqa: E731
     if args.device == "cuda":
         import cupy
 
-        nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         sync = cupy.cuda.Device().synchronize
-    else:
-        nsm, sync = 132, lambda: None
     eos = lambda _rid: ()  # noqa: E731
     admit, step = batches(args.decodes, args.context, args.prompt)
     runner.execute(admit, eos).result()
-
-    caps = {"prompt": 0, "decode": 0}
-    launch = runner._device_step
-
-    def capped(st) -> None:  # the SM target of the step's kind, on its slot's handle, before its GEMMs
-        if hasattr(ops, "gemm_handle"):
-            sms = caps["prompt" if st.num_decodes < st.nseq else "decode"]
-            ops.gemm_handle(st.slot).set_sm_count_target(sms)
-        launch(st)
-
-    runner._device_step = capped
-    serial_after = ops.after
     # every timed call decodes one position further: the decode rows' blocks hold STEPS_MAX of them
     counter = iter(range(1, STEPS_MAX - 2))
 
-    def timed(kinds: list[tuple[bool, bool]], side_by_side: bool) -> float:
-        """Wall seconds of the steps `kinds` ((decodes, prompt) each) launched back to back."""
+    def timed(launches: list[tuple[bool, bool, bool, int]]) -> float:
+        """Wall seconds of the steps launched back to back, each (decodes, prompt, beside the
+        one before, GEMM SMs), until all are done."""
         i = next(counter)
-        ops.after = (lambda _i, _j: None) if side_by_side else serial_after
-        try:
-            sync()
-            t0 = time.perf_counter()
-            handles = [runner.execute(step(i, d, p), eos) for d, p in kinds]
-            for h in handles:
-                h.result()
-            return time.perf_counter() - t0
-        finally:
-            ops.after = serial_after
+        sync()
+        t0 = time.perf_counter()
+        handles = [runner.execute(step(i, d, p), eos, beside_previous=beside, gemm_sms=sms)
+                   for d, p, beside, sms in launches]
+        for h in handles:
+            h.result()
+        return time.perf_counter() - t0
 
-    def median_ms(kinds: list[tuple[bool, bool]], side_by_side: bool = False) -> float:
-        timed(kinds, side_by_side)  # warm-up
-        return 1e3 * statistics.median(timed(kinds, side_by_side) for _ in range(args.reps))
+    def median_ms(*launches: tuple[bool, bool, bool, int]) -> float:
+        timed(list(launches))  # warm-up
+        return 1e3 * statistics.median(timed(list(launches)) for _ in range(args.reps))
 
     print(f"{args.preset}: {args.decodes} decodes at {args.context} keys, a {args.prompt}-token prompt; "
           f"{nsm} SMs; ms a step, median of {args.reps}")
-    mixed = median_ms([(True, True)])
+    mixed = median_ms((True, True, False, 0))
     print(f"| mixed step | {mixed:.2f} |")
-    print(f"| prompt alone | {median_ms([(False, True)]):.2f} |")
-    print(f"| decodes alone | {median_ms([(True, False)]):.2f} |")
-    print(f"| prompt then decodes, serial | {median_ms([(False, True), (True, False)]):.2f} |")
+    print(f"| prompt alone | {median_ms((False, True, False, 0)):.2f} |")
+    print(f"| decodes alone | {median_ms((True, False, False, 0)):.2f} |")
+    serial = median_ms((True, False, False, 0), (False, True, False, 0))
+    print(f"| decodes then prompt, serial | {serial:.2f} |")
     for k in (int(x) for x in args.sms.split(",")):
-        caps["prompt"], caps["decode"] = (nsm - k, k) if k else (0, 0)
+        rest = nsm - k if k else 0
         if k:
-            print(f"| decodes alone, GEMMs on {k} SMs | {median_ms([(True, False)]):.2f} |")
-            print(f"| prompt alone, GEMMs on {nsm - k} SMs | {median_ms([(False, True)]):.2f} |")
-        both = median_ms([(False, True), (True, False)], side_by_side=True)
+            print(f"| decodes alone, GEMMs on {k} SMs | {median_ms((True, False, False, k)):.2f} |")
+            print(f"| prompt alone, GEMMs on {rest} SMs | {median_ms((False, True, False, rest)):.2f} |")
+        both = median_ms((True, False, False, k), (False, True, True, rest))
         print(f"| side by side, decode GEMMs on {k or 'any'} SMs | {both:.2f} | {mixed / both:.3f}x mixed |")
-    caps["prompt"] = caps["decode"] = 0
-
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,10 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config: publish KV cache events
     tensor_parallel_size: int = 1         # ranks the weights, heads and KV cache are split over
     step_trace: str | None = None         # --step-trace: a JSON line per completed step to this file
+    # An experiment (env VT_SPLIT_DECODE_SMS when None): a mixed step's decodes run as a step of
+    # their own beside its prompt rows, the decodes' GEMMs on this many SMs, the prompt rows' on
+    # the rest; 0: one mixed step.
+    split_decode_sms: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from vt.kernels import get_backend
 from vt.runner import MAX_BANNED, ModelRunner, StepHandle, StepOutput
 from vt.sampling import SamplingParams
 from vt.sched.kv_events import AllBlocksCleared, KVEventLog
+from vt.sched.output import ScheduledBatch
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 from vt.stats import EngineStats
@@ -191,6 +193,16 @@ class AsyncEngine:
             raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r} (fcfs | priority)")
         if config.prefill_pacing and not config.enable_chunked_prefill:
             raise ValueError("prefill pacing spreads prompts over several steps: it needs chunked prefill")
+        split = config.split_decode_sms
+        if split is None:
+            text = os.environ.get("VT_SPLIT_DECODE_SMS", "0") or "0"
+            if not text.isdigit():
+                raise ValueError(f"VT_SPLIT_DECODE_SMS must be a number of SMs (0: off), got {text!r}")
+            split = int(text)
+        if split < 0:
+            raise ValueError(f"split_decode_sms must be >= 0, got {split}")
+        self.split_decode_sms = split
+        self.split_steps = 0  # scheduled steps launched as their decodes and prompt rows beside them
         self.runner = ModelRunner(self.model_config, config, self.ops, mml)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -461,6 +473,25 @@ class AsyncEngine:
             log.exception("the scheduler loop crashed")
             self._mark_dead(exc)
 
+    def _step_parts(self, batch: ScheduledBatch) -> list[tuple[ScheduledBatch, bool, int]]:
+        """The launches a scheduled step becomes: (batch, beside the one before, GEMM SMs). One,
+        unless split_decode_sms is set and the step mixes decodes with prompt rows and has no
+        guided row: then its decodes, then its prompt rows beside them (two free slots needed),
+        the decodes' GEMMs on split_decode_sms SMs and the prompt rows' on the rest."""
+        k = self.split_decode_sms
+        if not k or self.runner.free_slots < 2:
+            return [(batch, False, 0)]
+        decodes = tuple(s for s in batch.seqs if s.num_tokens == 1)
+        prompts = tuple(s for s in batch.seqs if s.num_tokens > 1)
+        states = self._states
+        if not decodes or not prompts or any(
+                (st := states.get(s.request_id)) is not None and st.guide is not None for s in batch.seqs):
+            return [(batch, False, 0)]
+        rest = max(self.runner.num_sms - k, 0)
+        self.split_steps += 1
+        return [(ScheduledBatch(decodes, batch.released, len(decodes)), False, k),
+                (ScheduledBatch(prompts, (), batch.num_tokens - len(decodes)), True, rest)]
+
     def _mark_dead(self, exc: BaseException) -> None:
         self._dead = f"{type(exc).__name__}: {exc}"
         log.error("engine marked dead: %s", self._dead)
@@ -501,27 +532,31 @@ class AsyncEngine:
                         # The device sat idle from the last completion to this launch with work
                         # waiting: the gap async scheduling exists to close.
                         self._stats.gpu_idle_seconds_total += max(0.0, now - self._last_done)
-                    try:
-                        # At depth 2 guided rows sample in a second pass, once their masks are
-                        # filled on the grammar thread.
-                        h = self.runner.execute(batch, self._eos_for, self._fill_masks,
-                                                defer_masks=self.depth > 1)
-                    except Exception as exc:  # staging failed: fail this batch's requests
-                        log.exception("step launch failed")
-                        # On CUDA the launch runs the device work inline: its errors count too.
-                        self._step_failed([s.request_id for s in batch.seqs], exc)
+                    for part, beside, sms in self._step_parts(batch):
+                        try:
+                            # At depth 2 guided rows sample in a second pass, once their masks
+                            # are filled on the grammar thread.
+                            h = self.runner.execute(part, self._eos_for, self._fill_masks,
+                                                    defer_masks=self.depth > 1, beside_previous=beside,
+                                                    gemm_sms=sms)
+                        except Exception as exc:  # staging failed: fail this batch's requests
+                            log.exception("step launch failed")
+                            # On CUDA the launch runs the device work inline: its errors count too.
+                            self._step_failed([s.request_id for s in part.seqs], exc)
+                            break
+                        inflight.append(h)
+                        if h.awaiting_masks and self._guides_current(h):
+                            self._start_masks(h)  # its guides have seen every token already
+                        # Every sequence of the step, not only the sampling ones: a failed prefill
+                        # chunk leaves its KV unwritten, so its request cannot go on either.
+                        self._step_rids[h.step_id] = [s.request_id for s in part.seqs]
+                        launched = True
+                        if self.step_trace is not None:
+                            self.step_trace.launched(h.step_id, part)
+                        if self.record_events:
+                            self.events.append(StepEvent("launch", h.step_id))
+                    if not launched:
                         continue
-                    inflight.append(h)
-                    if h.awaiting_masks and self._guides_current(h):
-                        self._start_masks(h)  # its guides have seen every token already
-                    # Every sequence of the step, not only the sampling ones: a failed prefill chunk
-                    # leaves its KV unwritten, so its request cannot go on either.
-                    self._step_rids[h.step_id] = [s.request_id for s in batch.seqs]
-                    launched = True
-                    if self.step_trace is not None:
-                        self.step_trace.launched(h.step_id, batch)
-                    if self.record_events:
-                        self.events.append(StepEvent("launch", h.step_id))
                 else:
                     for rid in batch.released:
                         self.runner.release(rid)

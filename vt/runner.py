@@ -308,6 +308,8 @@ class _Launch:
     num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
     late_owners: tuple = ()              # (batch row, request id, _Row) the second pass records
     fences: tuple[int, ...] = ()         # slots whose second passes this step runs after
+    beside_previous: bool = False        # runs beside the step launched just before, not after it
+    gemm_sms: int = 0                    # SMs its GEMMs are held to (0: all)
 
 
 class ModelRunner:
@@ -351,7 +353,10 @@ class ModelRunner:
         # grow, so a step writes the new entries and gathers its rows' lines in one take.
         self.row_blocks = np.zeros((rows, self.max_blocks), np.int32)
         self.step_id = 0
-        self.prev_slot: int | None = None
+        # The slots the next step runs after (the last step's, and that of a step launched beside
+        # it), and the ones the last step itself ran after (what a step beside it runs after).
+        self.prev_slots: tuple[int, ...] = ()
+        self._prev_waits: tuple[int, ...] = ()
         # The step id holding each slot, until its tokens are all collected: a step whose second
         # pass waits for masks keeps its slot (staged inputs, parked logits, outputs) while the
         # next steps take the others.
@@ -557,9 +562,14 @@ class ModelRunner:
 
     # ---- a step -----------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch, eos_for: Any, fill_masks: MaskFiller | None = None,
-                defer_masks: bool = False) -> StepHandle:
+                defer_masks: bool = False, beside_previous: bool = False, gemm_sms: int = 0) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
         token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows.
+
+        beside_previous: the step shares no sequence with the one launched just before (a mixed
+        step's prompt rows, that one its decodes), so it runs beside it on the device, after
+        what that one runs after; the next step runs after both. gemm_sms > 0 holds the step's
+        GEMMs to that many SMs (the step runs eager, so that every GEMM is held).
 
         A guided row whose input is the previous step's token (from_last) cannot have its mask
         yet: the grammar must first see that token. Such a step (and, with defer_masks, any step
@@ -711,7 +721,7 @@ class ModelRunner:
         # decode_only already excludes admissions, hence rows that need a penalty setup.
         # Guided rows keep the decode graph: their masks go between its forward and sampler parts.
         route, padded = "eager", 0
-        if self.use_graphs:
+        if self.use_graphs and not gemm_sms:
             if decode_only and not any_penalty and not any_ban and not num_biased and logprobs_k == 0 \
                     and (padded := _padded(self.graph_sizes, nseq)):
                 route = "graph"
@@ -725,7 +735,8 @@ class ModelRunner:
                        route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
                        deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased,
                        late_owners=tuple(mask_owners) if deferred else (),
-                       fences=tuple(self._fences - {slot}))
+                       fences=tuple(self._fences - {slot}), beside_previous=beside_previous,
+                       gemm_sms=gemm_sms)
         self.step_id += 1
         future: concurrent.futures.Future | None = None
         first: concurrent.futures.Future | None = None
@@ -748,6 +759,15 @@ class ModelRunner:
     def has_free_slot(self) -> bool:
         """Whether a step can be launched now: some slot holds no uncollected step."""
         return None in self._owner
+
+    @property
+    def free_slots(self) -> int:
+        """Slots that hold no uncollected step."""
+        return self._owner.count(None)
+
+    @property
+    def num_sms(self) -> int:
+        return self.ops.num_sms()
 
     def _take_slot(self) -> int:
         """The first free slot after the last one launched on (slots rotate when all are free)."""
@@ -831,12 +851,15 @@ class ModelRunner:
         slot, nseq, mb = st.slot, st.nseq, st.mb
         buf = self.slots[slot]
         with ops.slot(slot):
-            if self.prev_slot is not None and self.prev_slot != slot:
-                ops.after(slot, self.prev_slot)
-            for other in st.fences:
-                if other != self.prev_slot:
+            waits = self._prev_waits if st.beside_previous else self.prev_slots
+            for other in dict.fromkeys((*waits, *st.fences)):
+                if other != slot:
                     ops.after(slot, other)
-            self.prev_slot = slot
+            if st.beside_previous:
+                self.prev_slots = (*self.prev_slots, slot)
+            else:
+                self._prev_waits, self.prev_slots = self.prev_slots, (slot,)
+            ops.limit_gemm_sms(slot, st.gemm_sms)
             forward: Any  # the decode graph, its forward replayed, or the logits
             if st.route == "graph":
                 self._pad_decode(buf, nseq, mb, st.padded)

@@ -201,6 +201,13 @@ class Backend(Protocol):
     def after(self, i: int, j: int) -> None:
         """Make slot i's stream wait for everything enqueued so far on slot j (no host sync)."""
 
+    def num_sms(self) -> int:
+        """The device's streaming multiprocessors (numpy: 0)."""
+
+    def limit_gemm_sms(self, i: int, sms: int) -> None:
+        """Slot i's GEMMs launched from now on use about `sms` SMs (0: all of them), leaving the
+        rest to a step running beside on another slot's stream. numpy: checks the slot."""
+
     def record(self, i: int) -> None:
         """Record slot i's completion event after its enqueued work."""
 

@@ -69,6 +69,7 @@ class CublasGemm:
         self._check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate_v2")
         self._handle = handle
         self._stream: int | None = None
+        self._sm_target = 0
         self._alpha = ctypes.c_float(1.0)
         self._beta = (ctypes.c_float(0.0), ctypes.c_float(1.0))  # overwrite C, accumulate into C
 
@@ -111,9 +112,12 @@ class CublasGemm:
     def set_sm_count_target(self, sms: int) -> None:
         """Have the GEMMs launched from now on use about `sms` SMs (0: the whole device), so
         that work on another stream can run beside them (cublasSetSmCountTarget)."""
+        if sms == self._sm_target:
+            return
         fn = self._lib.cublasSetSmCountTarget
         fn.argtypes, fn.restype = [_VP, _INT], _INT
         self._check(fn(self._handle, sms), "cublasSetSmCountTarget")
+        self._sm_target = sms
 
     @staticmethod
     def _check(status: int, what: str) -> None:

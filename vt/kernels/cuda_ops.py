@@ -895,9 +895,11 @@ class CudaBackend:
     def done(self, i: int) -> bool:
         return self._slot(i).done_event.done
 
-    def gemm_handle(self, i: int) -> CublasGemm:
-        """Slot i's cuBLAS handle (benchmarks tune it, e.g. its SM count target)."""
-        return self._slot(i).gemm
+    def num_sms(self) -> int:
+        return self._num_sms
+
+    def limit_gemm_sms(self, i: int, sms: int) -> None:
+        self._slot(i).gemm.set_sm_count_target(min(max(sms, 0), self._num_sms))
 
     def wait(self, i: int) -> None:
         self._slot(i).done_event.synchronize()

@@ -321,6 +321,12 @@ class NumpyBackend:
         self._check_slot(i)
         self._check_slot(j)
 
+    def num_sms(self) -> int:
+        return 0
+
+    def limit_gemm_sms(self, i: int, sms: int) -> None:
+        self._check_slot(i)
+
     def record(self, i: int) -> None:
         self._check_slot(i)
 

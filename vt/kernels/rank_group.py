@@ -38,7 +38,7 @@ _PER_RANK = frozenset({
     "log_softmax_topk", "penalize", "ban_tokens", "sample", "record_sampled", "apply_token_bitmask",
     "bias_logits",
     "arena_reserve",
-    "after", "record", "wait",
+    "after", "record", "wait", "limit_gemm_sms",
 })
 
 
@@ -128,6 +128,9 @@ class RankGroup:
     # ---- slots: slot i of the group is slot i on every rank -------------------------------
     def num_slots(self) -> int:
         return self.ranks[0].num_slots()
+
+    def num_sms(self) -> int:
+        return self.ranks[0].num_sms()
 
     def slot(self, i: int) -> contextlib.AbstractContextManager[None]:
         return self._open_slots([rank.slot(i) for rank in self.ranks])
