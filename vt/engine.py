@@ -56,6 +56,7 @@ log = logging.getLogger("vt.engine")
 # Failures in a row (each a failed step whose probe step failed too, or could not run) after
 # which the device counts as unusable; any step that runs resets the count.
 MAX_CONSECUTIVE_FAILURES = 3
+SPLIT_MIN_DECODES = 32  # the fewest decodes a mixed step is split for (split_decode_sms)
 
 
 class PromptTooLongError(ValueError):
@@ -477,14 +478,16 @@ class AsyncEngine:
         """The launches a scheduled step becomes: (batch, beside the one before, GEMM SMs). One,
         unless split_decode_sms is set and the step mixes decodes with prompt rows and has no
         guided row: then its decodes, then its prompt rows beside them (two free slots needed),
-        the decodes' GEMMs on split_decode_sms SMs and the prompt rows' on the rest."""
+        the decodes' GEMMs on split_decode_sms SMs and the prompt rows' on the rest. Only with
+        SPLIT_MIN_DECODES decodes or more: the decodes' step reads every weight again, which their
+        attention, hidden beside the prompt rows' GEMMs, must outweigh."""
         k = self.split_decode_sms
         if not k or self.runner.free_slots < 2:
             return [(batch, False, 0)]
         decodes = tuple(s for s in batch.seqs if s.num_tokens == 1)
         prompts = tuple(s for s in batch.seqs if s.num_tokens > 1)
         states = self._states
-        if not decodes or not prompts or any(
+        if len(decodes) < SPLIT_MIN_DECODES or not prompts or any(
                 (st := states.get(s.request_id)) is not None and st.guide is not None for s in batch.seqs):
             return [(batch, False, 0)]
         rest = max(self.runner.num_sms - k, 0)

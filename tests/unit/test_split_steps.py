@@ -73,11 +73,12 @@ def test_a_step_beside_the_previous_waits_for_what_that_one_waits_for(model) -> 
 
 def test_split_steps_give_the_mixed_steps_tokens(model) -> None:
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 33, 70, 43, 40, 90, 12)]
+    # enough requests that SPLIT_MIN_DECODES decode beside later prompts
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in rng.integers(5, 90, size=48)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got = {}
     for k in (0, 16):
-        with LLM(str(model), device="cpu", max_num_seqs=8, max_num_batched_tokens=32,
+        with LLM(str(model), device="cpu", max_num_seqs=64, max_num_batched_tokens=96,
                  split_decode_sms=k) as llm:
             got[k] = [o.token_ids for o in llm.generate(prompts, params)]
             assert (llm.engine.split_steps > 0) == bool(k)
