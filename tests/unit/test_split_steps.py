@@ -71,7 +71,9 @@ def test_a_step_beside_the_previous_waits_for_what_that_one_waits_for(model) -> 
         runner.shutdown()
 
 
-def test_split_steps_give_the_mixed_steps_tokens(model) -> None:
+@pytest.mark.parametrize("engine", [dict(), dict(async_scheduling=False),
+                                    dict(num_gpu_blocks=200, block_size=16)])  # the last preempts
+def test_split_steps_give_the_mixed_steps_tokens(model, engine) -> None:
     rng = np.random.default_rng(1)
     # enough requests that SPLIT_MIN_DECODES decode beside later prompts
     prompts = [rng.integers(3, 200, size=n).tolist() for n in rng.integers(5, 90, size=48)]
@@ -79,9 +81,11 @@ def test_split_steps_give_the_mixed_steps_tokens(model) -> None:
     got = {}
     for k in (0, 16):
         with LLM(str(model), device="cpu", max_num_seqs=64, max_num_batched_tokens=96,
-                 split_decode_sms=k) as llm:
+                 split_decode_sms=k, **engine) as llm:
             got[k] = [o.token_ids for o in llm.generate(prompts, params)]
             assert (llm.engine.split_steps > 0) == bool(k)
+            if "num_gpu_blocks" in engine:
+                assert llm.engine.stats().num_preemptions_total > 0
             llm.engine.scheduler.check_invariants()
             assert llm.engine.scheduler.kv_usage == 0.0
     assert got[16] == got[0]
