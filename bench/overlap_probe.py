@@ -8,7 +8,8 @@ attention at copy bandwidth (memory), one after the other. If the decodes ran as
 own on one stream while the prompt rows ran as another on a second stream, each with cuBLAS held
 to part of the SMs (`cublasSetSmCountTarget`: the prompt step's GEMMs to all but k SMs, the
 decode step's to k), the memory-bound work could hide under the compute-bound work. This times,
-on random weights (bench/decode_step.py's runner, eager so the SM targets reach every GEMM):
+on random weights (bench/decode_step.py's runner with its graphs, as `vt serve` runs; a step
+whose GEMMs are held to part of the SMs runs eager, so that every GEMM is held):
 
 - mixed: one step with the decodes and the prompt chunk (how vt runs them today);
 - prompt alone, decodes alone (each with the whole device);
@@ -80,8 +81,8 @@ def main() -> None:
                     help="cpu: the same steps on the numpy backend (checks the script, times nothing real)")
     args = ap.parse_args()
 
-    runner, _ = build_runner(args.preset, args.decodes, args.context, enforce_eager=True, prefill=args.prompt,
-                             device=args.device)
+    runner, _ = build_runner(args.preset, args.decodes, args.context, enforce_eager=False,
+                             prefill=args.prompt, device=args.device)
     nsm = runner.num_sms or 132  # numpy: any number, nothing is held
     sync = lambda: None  # noqa: E731
     if args.device == "cuda":
