@@ -172,7 +172,8 @@ class Scheduler:
             self._preempt_for_better_waiting(preempted_now)
 
         # Prompt tokens this step may take (pacing), decodes aside.
-        prompt_left = self._paced_prompt_tokens(hold) if cfg.prefill_pacing else budget
+        paced = cfg.prefill_pacing
+        prompt_left = self._paced_prompt_tokens(hold) if paced else budget
 
         # Running requests first; a victim is always at or after the current index.
         kv_preempted = False
@@ -181,8 +182,8 @@ class Scheduler:
             req = self._running[idx]
             n = 0
             if req.request_id not in hold:
-                prompt = self._prompt_work(req) > 1
-                n = self._num_to_schedule(req, min(budget, prompt_left) if prompt else budget)
+                paced_now = paced and self._prompt_work(req) > 1
+                n = self._num_to_schedule(req, min(budget, prompt_left) if paced_now else budget)
             if n == 0:
                 idx += 1
                 continue
