@@ -83,7 +83,7 @@ def main() -> None:
 
     runner, _ = build_runner(args.preset, args.decodes, args.context, enforce_eager=False,
                              prefill=args.prompt, device=args.device)
-    nsm = runner.num_sms or 132  # numpy: any number, nothing is held
+    nsm = runner.ops.num_sms() or 132  # numpy: any number, nothing is held
     sync = lambda: None  # noqa: E731
     if args.device == "cuda":
         import cupy

@@ -21,7 +21,6 @@ on the device before it becomes a default.
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import sys
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from vt.runner import PIECE_SIZES  # noqa: E402
+from vt.runner import PIECE_SIZES, _padded  # noqa: E402
 from vt.sampling import SamplingParams  # noqa: E402
 from vt.sched.output import ScheduledBatch  # noqa: E402
 from vt.sched.request import Request, RequestStatus  # noqa: E402
@@ -50,8 +49,7 @@ class StepCost:
     piece_sizes: tuple[int, ...] = PIECE_SIZES  # steps up to the largest are padded to one
 
     def padded(self, tokens: int) -> int:
-        i = bisect.bisect_left(self.piece_sizes, tokens)
-        return self.piece_sizes[i] if i < len(self.piece_sizes) else tokens
+        return _padded(self.piece_sizes, tokens) or tokens
 
     def seconds(self, batch: ScheduledBatch) -> float:
         keys = pairs = 0

@@ -490,7 +490,7 @@ class AsyncEngine:
         if len(decodes) < SPLIT_MIN_DECODES or not prompts or any(
                 (st := states.get(s.request_id)) is not None and st.guide is not None for s in batch.seqs):
             return [(batch, False, 0)]
-        rest = max(self.runner.num_sms - k, 0)
+        rest = max(self.ops.num_sms() - k, 0)
         self.split_steps += 1
         return [(ScheduledBatch(decodes, batch.released, len(decodes)), False, k),
                 (ScheduledBatch(prompts, (), batch.num_tokens - len(decodes)), True, rest)]

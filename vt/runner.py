@@ -765,10 +765,6 @@ class ModelRunner:
         """Slots that hold no uncollected step."""
         return self._owner.count(None)
 
-    @property
-    def num_sms(self) -> int:
-        return self.ops.num_sms()
-
     def _take_slot(self) -> int:
         """The first free slot after the last one launched on (slots rotate when all are free)."""
         n = len(self.slots)

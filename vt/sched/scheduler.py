@@ -44,10 +44,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     # Prefill pacing: while requests decode and the prompt work at hand would not fill the steps
-    # until the soonest of them finishes, spread that work evenly over those steps (at least
-    # pacing_floor tokens a step) instead of running it in full steps followed by decode-only
-    # ones, whose weight reads then carry no prompt rows. step_sizes: the token counts the
-    # device pads a step to (its captured graphs); a paced step is filled up to one of them.
+    # until the soonest of them finishes, spread the last prompt in line over those steps (at
+    # least pacing_floor tokens a step) instead of running it in full steps followed by
+    # decode-only ones, whose weight reads then carry no prompt rows (_paced_prompt_tokens).
+    # step_sizes: the token counts the device pads a step to (its captured graphs); a paced step
+    # is filled up to one of them.
     prefill_pacing: bool = False
     pacing_floor: int = 256
     step_sizes: tuple[int, ...] = ()
