@@ -72,7 +72,7 @@ class RandomWeights(Mapping):
 def random_runner(preset: str, device: str, max_model_len: int, **engine: object):
     """A ModelRunner of the preset's shape with random weights instead of a checkpoint;
     `engine` holds the EngineConfig fields that size it."""
-    import vt.runner as runner_mod
+    import vt.runner.runner as runner_mod
     from vt.config import EngineConfig, ModelConfig
     from vt.kernels import get_backend
     from vt.model.loader import expected_shapes
@@ -109,7 +109,7 @@ def blocks_per_seq(context: int, steps: int = STEPS_MAX) -> int:
 def decode_batches(batch: int, context: int, steps: int, prefill: int = 0):
     """First a step that admits every row (eager), then `steps` decode-only steps (graphable),
     each with a new prefill of `prefill` tokens beside the decodes when prefill > 0."""
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
     from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
     nb = blocks_per_seq(context)

@@ -103,7 +103,7 @@ def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
     """Replace ModelRunner's device part with the timed stand-in (for this process). With
     cost_model, a step takes what bench/schedule_sim.py's StepCost prices its batch at (the 8B
     steps of an H100, padded to the piece sizes as CUDA graphs pad them) instead."""
-    from vt import runner
+    from vt.runner import runner
 
     init = runner.ModelRunner.__init__
     execute = runner.ModelRunner.execute
@@ -152,7 +152,7 @@ def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
     runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner.execute = priced
     if cost is not None:  # the model pads steps as CUDA's piece graphs do: say so to the scheduler
-        runner.ModelRunner.padded_step_sizes = property(lambda rn: rn.piece_sizes)
+        runner.ModelRunner.padded_step_sizes = property(lambda rn: rn.layer_graph_sizes)
     runner.ModelRunner._device_step = device_step
     runner.ModelRunner._resume_sample = resume_sample
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if "cpu" not in rest and "numpy" not in rest:
         ap.error("the emulation replaces the CPU backend's step: pass --device cpu")
     install(args.step_ms or 0.0, args.token_us, args.cost_model)
-    from vt import cli
+    from vt.launch import cli
 
     return cli.main(rest)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
-PHASES = (("vt.sched.scheduler", "Scheduler", "schedule"), ("vt.runner", "ModelRunner", "execute"),
-          ("vt.runner", "ModelRunner", "_collect"), ("vt.engine", "AsyncEngine", "_process"))
+PHASES = (("vt.sched.scheduler", "Scheduler", "schedule"), ("vt.runner.runner", "ModelRunner", "execute"),
+          ("vt.runner.runner", "ModelRunner", "_collect"), ("vt.engine.engine", "AsyncEngine", "_process"))
 
 
 def _serve(port: int, max_num_seqs: int, phases_path: str) -> int:
@@ -39,7 +39,8 @@ def _serve(port: int, max_num_seqs: int, phases_path: str) -> int:
 
     import numpy as np
 
-    from vt import cli, runner
+    from vt.launch import cli
+    from vt.runner import runner
 
     init = runner.ModelRunner.__init__
 

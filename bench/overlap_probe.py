@@ -14,7 +14,7 @@ whose GEMMs are held to part of the SMs runs eager, so that every GEMM is held):
 - mixed: one step with the decodes and the prompt chunk (how vt runs them today);
 - prompt alone, decodes alone (each with the whole device);
 - side by side at each k of --sms (0: no SM target): the decode step launched, then the prompt
-  step beside it (`ModelRunner.execute(..., beside_previous=True)`: the two touch different
+  step beside it (`ModelRunner.execute(..., parallel_to_previous=True)`: the two touch different
   sequences and KV blocks), and the time until both are done: what `VT_SPLIT_DECODE_SMS=k`
   makes `vt serve` do with every mixed step.
 
@@ -40,7 +40,7 @@ from decode_step import STEPS_MAX, blocks_per_seq, build_runner  # noqa: E402
 def batches(decodes: int, context: int, prompt: int):
     """(admit, step(i, with_decodes, with_prompt)): the first admits every decode row; step i
     decodes at context + i and/or prefills prompt p{i} (releasing p{i - 1})."""
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
     from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
     nb = blocks_per_seq(context)
@@ -101,7 +101,7 @@ def main() -> None:
         i = next(counter)
         sync()
         t0 = time.perf_counter()
-        handles = [runner.execute(step(i, d, p), eos, beside_previous=beside, gemm_sms=sms)
+        handles = [runner.execute(step(i, d, p), eos, parallel_to_previous=beside, gemm_sms=sms)
                    for d, p, beside, sms in launches]
         for h in handles:
             h.result()

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 from decode_step import PRESETS, random_runner  # also puts the checkout on sys.path
 
-import vt.runner as runner_mod
+import vt.runner.runner as runner_mod
 from vt.config import ModelConfig
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
 BLOCK = 16

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from vt.runner import PIECE_SIZES, _padded  # noqa: E402
-from vt.sampling import SamplingParams  # noqa: E402
+from vt.runner.runner import LAYER_GRAPH_SIZES, padded_size  # noqa: E402
+from vt.sampling_params import SamplingParams  # noqa: E402
 from vt.sched.output import ScheduledBatch  # noqa: E402
 from vt.sched.request import Request, RequestStatus  # noqa: E402
 from vt.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -46,10 +46,10 @@ class StepCost:
     kv_bytes_per_s: float = 3.1e12     # decode attention's streaming rate
     attn_flop_per_pair: float = 589_824  # 36 layers x 32 heads x 128 dims x 4 (QK and PV)
     attn_flop_per_s: float = 330e12    # the prompt rows' attention, marginal rate
-    piece_sizes: tuple[int, ...] = PIECE_SIZES  # steps up to the largest are padded to one
+    layer_graph_sizes: tuple[int, ...] = LAYER_GRAPH_SIZES  # steps up to the largest are padded to one
 
     def padded(self, tokens: int) -> int:
-        return _padded(self.piece_sizes, tokens) or tokens
+        return padded_size(self.layer_graph_sizes, tokens) or tokens
 
     def seconds(self, batch: ScheduledBatch) -> float:
         keys = pairs = 0
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pacing", action="store_true", help="the scheduler's prefill pacing on")
     args = ap.parse_args(argv)
     cost = StepCost()
-    pieces = tuple(n for n in PIECE_SIZES if n <= args.budget)
+    pieces = tuple(n for n in LAYER_GRAPH_SIZES if n <= args.budget)
     print("| row | pacing | seconds | out tok/s | mean TTFT ms | steps | decode-only |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for text in args.rows.split(","):

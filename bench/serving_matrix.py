@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vt.bench import BenchConfig, BenchError, ServerProcess, bench_endpoint, pool_from_tokenizer  # noqa: E402
+from vt.bench.run import BenchConfig, BenchError, ServerProcess, bench_endpoint, pool_from_tokenizer  # noqa: E402
 
 SHAPES = ((128, 128, 0.0), (1024, 128, 0.0), (128, 1024, 0.0), (2048, 2048, 0.0), (8000, 64, 0.0),
           (1024, 256, 0.9))

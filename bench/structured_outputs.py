@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vt.bench import (  # noqa: E402
+from vt.bench.run import (  # noqa: E402
     BenchConfig,
     ConnectionPool,
     Endpoint,
@@ -40,7 +40,7 @@ from vt.bench import (  # noqa: E402
     read_metrics,
     stream_completion,
 )
-from vt.bench_stats import RequestRecord, gpu_stats, summarize  # noqa: E402
+from vt.bench.stats import RequestRecord, gpu_stats, summarize  # noqa: E402
 
 RECORD = {
     "type": "object",

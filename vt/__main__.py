@@ -1,3 +1,3 @@
-from vt.cli import main
+from vt.launch.cli import main
 
 raise SystemExit(main())

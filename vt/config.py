@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from vt.kv_publisher import KVEventsConfig
+    from vt.sched.kv_publisher import KVEventsConfig
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
-from vt.sampling import SamplingParams
+from vt.engine.engine import AsyncEngine
+from vt.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vt.subprocesses import terminate
+from vt.launch.subprocesses import terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"vt: serving on (http://\S+)")

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT, start_server
-from vt.replicas import ReplicaSet, ReplicaSetConfig, free_port
+from vt.launch.replicas import ReplicaSet, ReplicaSetConfig, free_port
 
 REQUEST_TIMEOUT_S = 30.0   # no request may take longer, failed or not
 LOAD_TIMEOUT_S = 120.0     # one whole load

@@ -52,7 +52,7 @@ def _run(checkpoint: Path, rounds: list[list[list[int]]], eager: bool,
     """(tokens, per token the top `logprobs` (logprob, id) pairs, best first, or None) per request,
     rounds one after another on one engine, and the runner's steps by route."""
     from vt.llm import LLM
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     out = []

@@ -96,7 +96,7 @@ def test_logits_match_transformers_within_bf16(checkpoint: Path, reference: dict
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_greedy_tokens_match_transformers(checkpoint: Path, reference: dict, async_scheduling: bool) -> None:
     from vt.llm import LLM
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
 
     usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
     assert usable, "no prompt has a clear top-2 margin; raise initializer_range"
@@ -110,7 +110,7 @@ def test_greedy_tokens_match_transformers(checkpoint: Path, reference: dict, asy
 
 def test_sync_equals_async_on_gpu_with_preemption(checkpoint: Path, reference: dict) -> None:
     from vt.llm import LLM
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
 
     usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
     prompts = [reference["prompts"][i] for i in usable] * 8
@@ -131,7 +131,7 @@ def test_piecewise_graph_steps_equal_eager(checkpoint: Path, reference: dict) ->
     launched between the pieces, tokens padded to the captured count): the same greedy tokens as
     with every step eager, and as transformers."""
     from vt.llm import LLM
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
 
     usable = [i for i, ok in enumerate(reference["margin_ok"]) if ok]
     prompts = [reference["prompts"][i] for i in usable] * 3

@@ -18,11 +18,11 @@ import pytest
 from tests.e2e.test_structured_outputs import SCHEMA as PERSON
 from tests.unit.test_structured_engine import GRAMMARS, follows
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.structured.spec import GrammarSpec, StructuredOutput
-from vt.tokenizer import Tokenizer
+from vt.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 

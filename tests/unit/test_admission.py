@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from vt.admission import F32_TINY, AdmissionLimits, check_params
+from vt.engine.admission import F32_TINY, AdmissionLimits, check_params
 from vt.http.protocol import ProtocolError, get_int, parse_completion_request, parse_prompts
-from vt.preview import preview
-from vt.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
+from vt.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
 from vt.structured.spec import GrammarSpec, StructuredOutput
+from vt.text.preview import preview
 
 LIMITS = AdmissionLimits(vocab_size=1024, max_model_len=256, max_waiting=8, max_banned=16,
                          eos_token_ids=frozenset({1, 2}))

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpLimits, HttpServer
 from vt.model.make_model import make_model

@@ -309,7 +309,7 @@ def test_schedule_sim_reproduces_the_measured_steps_and_prices_pacing() -> None:
     assert 200 < off.out_tok_s < 215 and 280 < off.steps < 320 and 150 < off.decode_only_steps < 190
     unrounded = row(prefill_pacing=True, pacing_floor=512)
     assert 190 < unrounded.out_tok_s < off.out_tok_s
-    paced = row(prefill_pacing=True, step_sizes=tuple(n for n in sim.PIECE_SIZES if n <= 2048))
+    paced = row(prefill_pacing=True, step_sizes=tuple(n for n in sim.LAYER_GRAPH_SIZES if n <= 2048))
     assert paced.out_tok_s > off.out_tok_s * 1.02 and paced.decode_only_steps < off.decode_only_steps / 2
     assert paced.mean_ttft_ms < off.mean_ttft_ms * 1.2
 

@@ -1,4 +1,4 @@
-"""vt.bench_stats on a hand-made set of recorded requests whose figures are worked out by hand."""
+"""vt.bench.stats on a hand-made set of recorded requests whose figures are worked out by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vt.bench_stats import (
+from vt.bench.stats import (
     RequestRecord,
     e2els,
     gpu_stats,

@@ -6,8 +6,8 @@ import asyncio
 
 import orjson
 
-from vt.bench import Endpoint, stream_completion
-from vt.bench_stats import RequestRecord
+from vt.bench.run import Endpoint, stream_completion
+from vt.bench.stats import RequestRecord
 
 
 def _event(obj: object) -> bytes:

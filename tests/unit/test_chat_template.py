@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from vt.chat_template import ChatTemplateError, load_chat_template
 from vt.model.make_model import make_model
-from vt.tokenizer import Tokenizer
+from vt.text.chat_template import ChatTemplateError, load_chat_template
+from vt.text.tokenizer import Tokenizer
 
 TEMPLATE_FILE = Path(__file__).resolve().parents[1] / "templates" / "qwen3_like.jinja"
 TEMPLATE = TEMPLATE_FILE.read_text()

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from vt.cli import build_parser
+from vt.launch.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 CRD_SCHEMAS = {
@@ -86,7 +86,7 @@ def test_deployment_fits_vt(objs: list[dict[str, Any]]) -> None:
     # the image's entrypoint is `vt serve --host 0.0.0.0 --port 8000`: args are more serve flags
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8000", *c["args"]])
     assert args.model == "/models"
-    from vt.kv_publisher import parse_kv_events_config
+    from vt.sched.kv_publisher import parse_kv_events_config
 
     assert parse_kv_events_config(args.kv_events_config).enabled
     port = next(p["containerPort"] for p in c["ports"] if p["name"] == "http")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vt.cli import build_parser
+from vt.launch.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

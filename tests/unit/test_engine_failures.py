@@ -16,13 +16,13 @@ from typing import Any
 import orjson
 import pytest
 
-from vt import engine as engine_mod
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine import engine as engine_mod
+from vt.engine.engine import AsyncEngine
+from vt.engine.probe import ProbeUnavailable
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.model.make_model import make_model
-from vt.step_probe import ProbeUnavailable
 
 TIMEOUT_S = 30.0  # any single request taking longer than this is a hang
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"

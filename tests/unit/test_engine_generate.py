@@ -17,7 +17,7 @@ import torch
 from tests.unit.hf_models import load_hf_model, make_hf_checkpoint
 from vt.llm import LLM
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 NEW_TOKENS = 64
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

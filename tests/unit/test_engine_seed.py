@@ -9,7 +9,7 @@ import pytest
 
 from vt.llm import LLM
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)  # no per-request seed
 

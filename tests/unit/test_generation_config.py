@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vt.generation_config import SamplingDefaults, load_sampling_defaults
-from vt.sampling import SamplingParams
+from vt.model.generation_config import SamplingDefaults, load_sampling_defaults
+from vt.sampling_params import SamplingParams
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
          "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}

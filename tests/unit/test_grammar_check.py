@@ -12,7 +12,7 @@ from vt.structured.compiler import GrammarCompiler
 from vt.structured.grammar_check import GrammarChecker
 from vt.structured.grammar_vocab import grammar_tokenizer_json
 from vt.structured.spec import GrammarError, GrammarSpec
-from vt.tokenizer import Tokenizer
+from vt.text.tokenizer import Tokenizer
 
 GOOD = GrammarSpec("regex", "[0-9]{3}")
 # $refs chained 3,000 deep: llguidance's recursive compile overflows a thread's stack (SIGSEGV)

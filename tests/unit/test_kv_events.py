@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from tests.kv_subscriber import KVEventSubscriber
-from vt.kv_publisher import KVEventsConfig, encode_batch, parse_kv_events_config
 from vt.llm import LLM
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.sched.kv_cache import BlockPool, hash_block
 from vt.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from vt.sched.kv_publisher import KVEventsConfig, encode_batch, parse_kv_events_config
 
 WAIT_S = 20.0
 
@@ -92,7 +92,7 @@ def test_batch_is_vllms_layout() -> None:
 
 def test_cli_rejects_a_bad_config_with_a_message(capsys: pytest.CaptureFixture[str],
                                                  tmp_path: Path) -> None:
-    from vt.cli import main
+    from vt.launch.cli import main
 
     model = make_model(tmp_path / "m")
     rc = main(["serve", str(model), "--device", "cpu", "--kv-events-config", '{"hwm": -1}'])
@@ -159,7 +159,7 @@ def test_subscriber_rebuilds_the_engines_cache_through_evictions_and_replay(tmp_
 
 
 def test_a_dropped_batch_is_followed_by_a_full_resync() -> None:
-    from vt.kv_publisher import BatchQueue
+    from vt.sched.kv_publisher import BatchQueue
 
     snapshot = [BlockStored((5,), None, (1, 2), 2), BlockStored((6,), 5, (3, 4), 2)]
     q = BatchQueue(maxsize=1)

@@ -16,8 +16,8 @@ import pytest
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels.numpy_ops import NumpyBackend
 from vt.model.make_model import make_model
-from vt.runner import ModelRunner
-from vt.sampling import SamplingParams
+from vt.runner.runner import ModelRunner
+from vt.sampling_params import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 from vt.structured.spec import GrammarSpec, StructuredOutput
 

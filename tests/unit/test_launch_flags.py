@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vt import __version__
-from vt.cli import _model_names, build_parser
+from vt.launch.cli import _model_names, build_parser
 from vt.model.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,10 +24,10 @@ from vt.kernels.attention_plan import (
 )
 from vt.kernels.numpy_ops import NumpyBackend
 from vt.llm import LLM
-from vt.memory_plan import plan_step_memory, step_arena_bytes
 from vt.model.make_model import make_model
-from vt.runner import ModelRunner, StartupMemoryError
-from vt.sampling import SamplingParams
+from vt.runner.memory_plan import plan_step_memory, step_arena_bytes
+from vt.runner.runner import ModelRunner, StartupMemoryError
+from vt.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from vt.admission import AdmissionLimits
 from vt.config import EngineConfig
-from vt.engine import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
+from vt.engine.admission import AdmissionLimits
+from vt.engine.outputs import EngineDeadError, PromptTooLongError, QueueFullError, TokenLogprob
+from vt.engine.stats import EngineStats
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
-from vt.stats import EngineStats
 
 MODEL = "tiny-model"
 

@@ -19,9 +19,9 @@ from tests.unit.test_openai_api import (
     jbody,
     read_sse,
 )
-from vt.generation_config import SamplingDefaults
 from vt.http.api_options import ApiOptions
 from vt.http.openai_api import OpenAIApp
+from vt.model.generation_config import SamplingDefaults
 
 ENC = CharTokenizer().encode
 

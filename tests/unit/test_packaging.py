@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import vt
-from vt import bench
+from vt.bench import run as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = (ROOT / "pyproject.toml").read_text()

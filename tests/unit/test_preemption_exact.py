@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 MAX_TOKENS = 40
 

@@ -13,7 +13,7 @@ from vt.http import prompt_prep
 from vt.http.prompt_prep import PromptPreparer
 from vt.http.protocol import ProtocolError
 from vt.model.make_model import make_model
-from vt.tokenizer import Tokenizer
+from vt.text.tokenizer import Tokenizer
 
 
 class CountingTokenizer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from vt.engine import RequestOutput, RequestStream
+from vt.engine.outputs import RequestOutput, RequestStream
 
 
 class _Engine:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 from tests.unit.test_openai_api import COMPLETION, MODEL, FakeEngine, call, jbody
+from vt.engine.stats import EngineStats
 from vt.http.metrics import render_metrics
 from vt.http.openai_api import OpenAIApp
-from vt.stats import EngineStats
 
 _SAMPLE = re.compile(r"^([a-zA-Z0-9_:]+)(\{[^}]*\})? (\S+)$")
 
@@ -99,7 +99,7 @@ def test_router_retries_outlast_a_failed_health_check() -> None:
     """A draining replica answers 503 until the router's next health check drops it: the retry
     flags `vt replicas` gives the router wait longer than one check (interval and timeout), even
     with every backoff cut short by the router's jitter."""
-    from vt.replicas import HEALTH_CHECK_TIMEOUT_S, retry_args
+    from vt.launch.replicas import HEALTH_CHECK_TIMEOUT_S, retry_args
 
     for interval in (1, 3, 10):
         args = dict(zip(retry_args(interval)[::2], retry_args(interval)[1::2]))

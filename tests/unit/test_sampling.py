@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vt.kernels import numpy_sampling as ns
-from vt.sampling import SamplingParams, SamplingParamsError
+from vt.sampling_params import SamplingParams, SamplingParamsError
 
 # ---- SamplingParams ------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -78,7 +78,7 @@ class FakeRunner:
             if s.new is not None:
                 self.rows.add(s.request_id)
             assert s.request_id in self.rows, "a seq without a sampler row"
-            if s.from_last:
+            if s.input_in_flight:
                 assert s.num_tokens == 1 and s.token_ids == ()
                 inputs = [self.last_sampled[s.request_id]]
             else:
@@ -167,9 +167,9 @@ def test_chunked_prefill_splits_and_samples_only_on_last_chunk():
     assert chunks[2].output_index == 0
     assert chunks[0].new is not None and chunks[1].new is None and chunks[2].new is None
     assert len(chunks[2].block_ids) == 3
-    # Nothing more until the sampled token arrives... unless two steps deep: then a decode from_last.
+    # Nothing more until the sampled token arrives... unless two steps deep: then a decode input_in_flight.
     (dec,) = s.schedule().seqs
-    assert dec.from_last and dec.token_ids == () and dec.start_pos == 10 and dec.output_index == 1
+    assert dec.input_in_flight and dec.token_ids == () and dec.start_pos == 10 and dec.output_index == 1
 
 
 def test_chunking_off_whole_prompt_waits_for_budget():
@@ -191,7 +191,7 @@ def test_depth_one_decode_feeds_the_appended_token():
     s.schedule()
     s.append_token("a", 9)
     (seq,) = s.schedule().seqs
-    assert not seq.from_last and seq.token_ids == (9,) and seq.start_pos == 3 and seq.sample
+    assert not seq.input_in_flight and seq.token_ids == (9,) and seq.start_pos == 3 and seq.sample
     assert seq.output_index == 1
 
 
@@ -200,7 +200,7 @@ def test_max_tokens_never_overshoots_with_pending_tokens():
     s.add(_req("a", 3, max_tokens=2))
     first, second, third = s.schedule(), s.schedule(), s.schedule()
     assert first.seqs[0].output_index == 0
-    assert second.seqs[0].from_last and second.seqs[0].output_index == 1
+    assert second.seqs[0].input_in_flight and second.seqs[0].output_index == 1
     assert third.empty  # both tokens are planned: nothing more may be sampled
     assert s.append_token("a", 1) is not None
     assert s.schedule().empty
@@ -355,7 +355,7 @@ def test_preempted_request_waits_for_its_pending_token():
     for i, rid in enumerate("abc"):
         s.add(_req(rid, 3, arrival=i, max_tokens=8))
     s.schedule()                 # prefill all, sample token 0 (pending)
-    s.schedule()                 # from_last decode at position 3, token 1 pending too
+    s.schedule()                 # input_in_flight decode at position 3, token 1 pending too
     for rid in "abc":            # token 0 arrives
         s.append_token(rid, 5)
     b = s.schedule()             # position 4 needs a block each: c is preempted, token 1 in flight

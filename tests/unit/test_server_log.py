@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from vt.config import EngineConfig, ModelConfig
-from vt.engine import AsyncEngine
-from vt.generation_config import SamplingDefaults
+from vt.engine.engine import AsyncEngine
+from vt.engine.stats import EngineStats
+from vt.launch.startup_log import num_parameters, startup_lines
+from vt.launch.stats_log import StatsSnapshot, log_stats, stats_line
+from vt.model.generation_config import SamplingDefaults
 from vt.model.make_model import PRESETS, hf_config, make_model, tensor_specs
-from vt.startup_summary import num_parameters, startup_lines
-from vt.stats import EngineStats
-from vt.stats_logger import StatsSnapshot, log_stats, stats_line
 
 
 @pytest.mark.parametrize("preset, arch", [("tiny", "qwen3"), ("0.6b", "qwen3"), ("8b", "qwen3"),

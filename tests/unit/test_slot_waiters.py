@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vt.runner import ModelRunner, slot_waiters
+from vt.runner.runner import ModelRunner, slot_waiters
 
 
 def test_a_slot_completes_while_the_other_slot_still_runs() -> None:

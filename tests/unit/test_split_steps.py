@@ -12,8 +12,8 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels.numpy_ops import NumpyBackend
 from vt.llm import LLM
 from vt.model.make_model import make_model
-from vt.runner import ModelRunner
-from vt.sampling import SamplingParams
+from vt.runner.runner import ModelRunner
+from vt.sampling_params import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
 
@@ -54,7 +54,7 @@ def test_a_step_beside_the_previous_waits_for_what_that_one_waits_for(model) -> 
         first.result()
         ops.log.clear()
         d = runner.execute(ScheduledBatch((_prompt("b", (1,)),), (), 3), eos, gemm_sms=16)
-        p = runner.execute(ScheduledBatch((_prompt("c", (2,)),), (), 3), eos, beside_previous=True,
+        p = runner.execute(ScheduledBatch((_prompt("c", (2,)),), (), 3), eos, parallel_to_previous=True,
                            gemm_sms=100)
         nxt = runner.execute(ScheduledBatch((_prompt("e", (3,)),), (), 3), lambda _r: ())
         for h in (d, p, nxt):

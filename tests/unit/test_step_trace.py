@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from vt.cli import build_parser
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
+from vt.launch.cli import build_parser
 from vt.model.make_model import make_model
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_the_trace_accounts_for_every_computed_token(model: Path, tmp_path: Path
 
 
 def test_the_serve_flag_reaches_the_engine_config(tmp_path: Path) -> None:
-    from vt.cli import _engine_config
+    from vt.launch.cli import _engine_config
 
     (tmp_path / "config.json").write_text("{}")
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--step-trace", str(tmp_path / "t")])

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.kernels import numpy_sampling
 from vt.model.make_model import make_model, training_corpus
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.structured.compiler import MASK_THREADS, GrammarCompiler, GrammarError
 from vt.structured.spec import GrammarSpec, StructuredOutput
-from vt.tokenizer import Tokenizer
+from vt.text.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -15,14 +15,14 @@ from tests.unit.test_model_parity import PagedRunner, prompts
 from vt.config import ModelConfig
 from vt.kernels import get_backend
 from vt.kernels.numpy_ops import NumpyBackend
+from vt.kernels.parallel import InProcessCommunicator, Ranked
 from vt.kernels.rank_group import RankGroup
 from vt.llm import LLM
 from vt.model.loader import load_weights
 from vt.model.make_model import make_model
 from vt.model.shard import ShardError, TensorSplit
 from vt.model.transformer import Transformer
-from vt.parallel import InProcessCommunicator, Ranked
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 CASES = {
     # 2 KV heads: one a rank at N = 2, each held by two ranks at N = 4

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vt.model.make_model import make_model
-from vt.tokenizer import ChatTemplateError, DetokStream, Tokenizer
+from vt.text.tokenizer import ChatTemplateError, DetokStream, Tokenizer
 
 TEXT = "Hello wörld, 鱻🦀 naïve 龘𝄞 test 👩‍💻 done."
 

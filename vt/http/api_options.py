@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vt.generation_config import SamplingDefaults
-from vt.sampling import MAX_LOGPROBS
+from vt.model.generation_config import SamplingDefaults
+from vt.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)

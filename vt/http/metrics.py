@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from vt.engine.stats import EngineStats, Histogram
 from vt.http.vllm_metrics import write_vllm_metrics
-from vt.stats import EngineStats, Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from vt.admission import AdmissionLimits, check_params, check_priority, fit_context
+from vt.engine.admission import AdmissionLimits, check_params, check_priority, fit_context
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
@@ -45,8 +45,8 @@ from vt.http.reasoning import ReasoningParser
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.http.structured_fields import constrain, parse_structured_fields
 from vt.http.tool_calls import parse_tool_plan
-from vt.preview import preview
-from vt.sampling import SamplingParams, SamplingParamsError
+from vt.sampling_params import SamplingParams, SamplingParamsError
+from vt.text.preview import preview
 
 log = logging.getLogger("vt.http")
 
@@ -99,7 +99,7 @@ def _version() -> str:
 def _engine_error(e: Exception) -> HttpError | None:
     """Map add_request's errors to HTTP errors.
 
-    Matched by class name along the MRO so this module need not import vt.engine (and the model
+    Matched by class name along the MRO so this module need not import vt.engine.engine (and the model
     runtime behind it) just to classify errors.
     """
     names = {cls.__name__ for cls in type(e).__mro__}

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from vt.preview import preview
-from vt.sampling import SamplingParams, SamplingParamsError
+from vt.sampling_params import SamplingParams, SamplingParamsError
+from vt.text.preview import preview
 
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's cap for the legacy completions endpoint
 MAX_CHAT_TOP_LOGPROBS = 20

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from vt.http.protocol import ProtocolError
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.structured.compiler import GrammarError
 from vt.structured.spec import DEFAULT_JSON_WHITESPACE, GrammarSpec, StructuredOutput
 

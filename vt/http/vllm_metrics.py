@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from vt.stats import EngineStats, Histogram
+from vt.engine.stats import EngineStats, Histogram
 
 # (EngineStats field, vLLM names, help)
 GAUGES = (

@@ -27,8 +27,8 @@ def get_backend(name: str = "auto", tensor_parallel_size: int = 1) -> Backend:
 
         if tensor_parallel_size == 1:
             return NumpyBackend()
+        from vt.kernels.parallel import InProcessCommunicator
         from vt.kernels.rank_group import RankGroup
-        from vt.parallel import InProcessCommunicator
 
         ranks = [NumpyBackend() for _ in range(tensor_parallel_size)]
         return RankGroup(ranks, InProcessCommunicator(tensor_parallel_size))

@@ -37,7 +37,7 @@ class ArenaLedger:
         if self.nbytes is not None and start + size > self.nbytes:
             raise ArenaExhausted(
                 f"step workspace exhausted: {size} bytes asked at offset {start} of {self.nbytes}; "
-                f"the memory plan (vt.memory_plan) under-counts this step"
+                f"the memory plan (vt.runner.memory_plan) under-counts this step"
             )
         self.offset = start + size
         self.high = max(self.high, self.offset)

@@ -8,7 +8,7 @@ Conventions shared by both implementations:
   R = sampler rows (one per running request, a persistent slot owned by the runner).
 - Ops that return arrays may allocate on numpy. On CUDA they take their outputs from the
   workspace arena of the current slot (see `ensure_workspace`), so a step never allocates from
-  the pool and a captured graph sees the same pointers on every replay; vt.memory_plan sizes it.
+  the pool and a captured graph sees the same pointers on every replay; vt.runner.memory_plan sizes it.
 - Ops documented "in place" return None and write into an argument.
 - Scalars are Python numbers at this interface; cuda_ops converts them to np.int32 / np.float32.
 
@@ -62,7 +62,7 @@ class Backend(Protocol):
     def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
         """Size each slot's arena to nbytes and (CUDA) its split-key attention partials to
         partials_bytes (setup only, before any graph is captured). numpy keeps the arena as a
-        ledger at CUDA sizes and fails a step that would outgrow it (vt.memory_plan)."""
+        ledger at CUDA sizes and fails a step that would outgrow it (vt.runner.memory_plan)."""
 
     def arena_mark(self) -> int | None:
         """The open slot's arena offset, or None where there is no arena (numpy, no open slot)."""

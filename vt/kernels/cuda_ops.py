@@ -5,7 +5,7 @@ workspace arena (a bump allocator over one preallocated buffer) so a step never 
 the pool and a captured graph sees the same pointers on every replay; outside any slot context
 ops allocate plainly from CuPy's pool (tests, setup).
 
-Beyond base.Backend: arena_reserve(mark) on the active slot's arena, capture_pieces() (a
+Beyond base.Backend: arena_reserve(mark) on the active slot's arena, capture_layer_graphs() (a
 capture cut into graphs that uncaptured launches run between; capture_parts() cuts it between
 given callables), and the dtype "i64" in zeros/from_host (sampler seeds).
 """
@@ -918,17 +918,18 @@ class CudaBackend:
         return _Graph(graph, s.stream)
 
     def capture_parts(self, i: int, parts: Sequence[Callable[[], Any]]) -> list[_Graph]:
-        """capture_pieces() with a cut between consecutive parts: one graph per part."""
+        """capture_layer_graphs() with a cut between consecutive parts: one graph per part."""
         def run(cut: Callable[[], None]) -> None:
             for k, part in enumerate(parts):
                 if k:
                     cut()
                 part()
 
-        graphs, _ = self.capture_pieces(i, run)
+        graphs, _ = self.capture_layer_graphs(i, run)
         return graphs
 
-    def capture_pieces(self, i: int, fn: Callable[[Callable[[], None]], Any]) -> tuple[list[_Graph], int]:
+    def capture_layer_graphs(self, i: int,
+                             fn: Callable[[Callable[[], None]], Any]) -> tuple[list[_Graph], int]:
         """fn(cut) runs once under capture on slot i, like capture(); each cut() closes the graph
         so far and opens the next, so the caller can run uncaptured work between the pieces'
         replays. Returns the pieces and the arena's high-water mark: on replay, reserve up to it

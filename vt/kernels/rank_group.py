@@ -1,7 +1,7 @@
 """RankGroup: one Backend over the ranks of a tensor-parallel group, driven from one thread.
 
 The runner and the model call each op once, as on one device; the group runs it on every rank
-with that rank's part of each Ranked argument (vt.parallel) and returns a Ranked result. Weights
+with that rank's part of each Ranked argument (vt.kernels.parallel) and returns a Ranked result. Weights
 are per-rank shards (vt.model.shard), activations have the same local shape on every rank, and
 the sampler's inputs and state are replicated, so every op but two is just "the same op on each
 rank". The two that are not are where the logical op spans the split:
@@ -13,7 +13,7 @@ Host staging is shared: inputs are copied to every rank, results come back from 
 
 Each rank keeps its own slots (streams, arenas, events): slot i of the group is slot i on every
 rank, so depth-2 scheduling works as on one device, and each rank's arena holds its own shard's
-activations (vt.memory_plan counts one rank). Ranks are numpy backends for now: CUDA ranks also
+activations (vt.runner.memory_plan counts one rank). Ranks are numpy backends for now: CUDA ranks also
 need an NCCL communicator and a capture that begins on every device's stream before the step and
 ends on each after it, so that the collectives are captured inside each device's graph.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from vt.kernels.base import Backend
-from vt.parallel import Communicator, Ranked, pick
+from vt.kernels.parallel import Communicator, Ranked, pick
 
 # Ops that are the same op on each rank: the group calls rank r's with rank r's arguments.
 _PER_RANK = frozenset({

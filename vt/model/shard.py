@@ -5,7 +5,7 @@ Megatron's split, as vLLM runs it:
   the KV heads those read, and of its share of the intermediate size, so attention and silu_mul
   run on local heads and columns with no communication;
 - o_proj and down are row-parallel: a rank keeps the matching input columns, its product is a
-  partial sum of the full one, and an all-reduce adds them up (vt.parallel);
+  partial sum of the full one, and an all-reduce adds them up (vt.kernels.parallel);
 - lm_head is split by vocabulary (contiguous ranges, the first V mod N ranks one row longer);
   the logits are all-gathered so every rank samples from the full row;
 - the embedding, the norms and the q/k-norm weights are replicated.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from vt.config import ModelConfig
-from vt.parallel import Ranked, pick
+from vt.kernels.parallel import Ranked, pick
 
 # checkpoint tensor kind (the name's second-to-last part) -> (axis, what the axis is split by)
 _SPLITS = {

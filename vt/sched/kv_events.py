@@ -2,7 +2,7 @@
 
 The block pool records an event when a full block's hash enters the cache (BlockStored) and when a
 cached hash leaves it by eviction (BlockRemoved); AllBlocksCleared says "forget everything". They
-are vLLM's KV events; vt.kv_publisher puts them on the wire in vLLM's format. Recording is a list
+are vLLM's KV events; vt.sched.kv_publisher puts them on the wire in vLLM's format. Recording is a list
 append on the pool's own thread; nothing here does I/O.
 """
 

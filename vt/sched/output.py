@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class ScheduledSeq:
     request_id: str
     start_pos: int                 # num_computed_tokens before this step
     num_tokens: int                # new tokens computed this step
-    token_ids: tuple[int, ...]     # the new tokens; empty when from_last
-    from_last: bool                # a decode whose input is the token the previous step samples
+    token_ids: tuple[int, ...]     # the new tokens; empty when input_in_flight
+    input_in_flight: bool                # a decode whose input is the token the previous step samples
     block_ids: tuple[int, ...]     # the request's whole block table
     sample: bool                   # this step reaches the request's end: sample its next token
     output_index: int              # index of the output token sampled here (rng offset, min_tokens)

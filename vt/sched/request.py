@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

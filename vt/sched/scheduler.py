@@ -161,8 +161,8 @@ class Scheduler:
         return req
 
     # ---- scheduling ---------------------------------------------------------------------------
-    def schedule(self, hold: Container[str] = ()) -> ScheduledBatch:
-        """The next step. Requests in `hold` get no tokens in it (their last sampled token is not
+    def schedule(self, sit_out: Container[str] = ()) -> ScheduledBatch:
+        """The next step. Requests in `sit_out` get no tokens in it (their last sampled token is not
         on the device in time to be this step's input); they keep their place and blocks."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
@@ -174,7 +174,7 @@ class Scheduler:
 
         # Prompt tokens this step may take (pacing), decodes aside.
         paced = cfg.prefill_pacing
-        prompt_left = self._paced_prompt_tokens(hold) if paced else budget
+        prompt_left = self._paced_prompt_tokens(sit_out) if paced else budget
 
         # Running requests first; a victim is always at or after the current index.
         kv_preempted = False
@@ -182,7 +182,7 @@ class Scheduler:
         while idx < len(self._running) and budget > 0:
             req = self._running[idx]
             n = 0
-            if req.request_id not in hold:
+            if req.request_id not in sit_out:
                 paced_now = paced and self._prompt_work(req) > 1
                 n = self._num_to_schedule(req, min(budget, prompt_left) if paced_now else budget)
             if n == 0:
@@ -260,7 +260,7 @@ class Scheduler:
         preemption, its history) still to prefill; 0 or 1 for a decode."""
         return req.num_tokens + req.num_pending - req.num_computed_tokens
 
-    def _paced_prompt_tokens(self, hold: Container[str]) -> int:
+    def _paced_prompt_tokens(self, sit_out: Container[str]) -> int:
         """The prompt tokens this step takes under pacing. Every prompt in line but the last
         runs at full steps; the last one is spread over the steps left until the soonest running
         decode finishes (after the others' full steps), at least pacing_floor a step, and the
@@ -276,7 +276,7 @@ class Scheduler:
             if left > 1:
                 work += left
                 last = left
-            elif r.request_id not in hold and not r.paused and r.num_output_planned < r.max_tokens:
+            elif r.request_id not in sit_out and not r.paused and r.num_output_planned < r.max_tokens:
                 decodes += 1
                 steps_left = min(steps_left, r.max_tokens - r.num_output_planned)
         full = cfg.max_num_batched_tokens - decodes
@@ -359,8 +359,8 @@ class Scheduler:
 
     def _emit(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        from_last = req.num_pending == 1
-        token_ids = () if from_last else tuple(_tokens(req, start, start + n))
+        input_in_flight = req.num_pending == 1
+        token_ids = () if input_in_flight else tuple(_tokens(req, start, start + n))
         sample = start + n == req.num_tokens + req.num_pending
         output_index = req.num_output_planned
         if sample:
@@ -373,7 +373,8 @@ class Scheduler:
             req.needs_row = False
         self._register_if_filled(req)
         return ScheduledSeq(request_id=req.request_id, start_pos=start, num_tokens=n,
-                            token_ids=token_ids, from_last=from_last, block_ids=tuple(req.block_ids),
+                            token_ids=token_ids, input_in_flight=input_in_flight,
+                            block_ids=tuple(req.block_ids),
                             sample=sample, output_index=output_index, new=new)
 
     def _preempt(self, req: Request, preempted_now: set[str]) -> None:

@@ -27,11 +27,11 @@ import numpy as np
 
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels.base import Backend
-from vt.memory_plan import StepMemory, plan_step_memory
 from vt.model.batch import ForwardBatch
 from vt.model.loader import load_weights
 from vt.model.transformer import Transformer
-from vt.sampling import MAX_LOGIT_ENTRIES, MAX_LOGPROBS, SamplingParams
+from vt.runner.memory_plan import StepMemory, plan_step_memory
+from vt.sampling_params import MAX_LOGIT_ENTRIES, MAX_LOGPROBS, SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 from vt.structured.spec import GrammarSpec, StructuredOutput
 
@@ -42,7 +42,7 @@ MaskFiller = Callable[[Sequence[str], np.ndarray], None]
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts the piecewise graphs of other steps are captured for. Longer steps run eager:
 # their GPU time dwarfs the ~7 us a launch costs on the host.
-PIECE_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+LAYER_GRAPH_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 
 
 # Device memory kept free for the captured graphs when the KV cache is sized from what is left.
@@ -53,7 +53,7 @@ class StartupMemoryError(ValueError):
     """The flags ask for more device memory than the card has left; the message names them."""
 
 
-def _padded(sizes: tuple[int, ...], n: int) -> int:
+def padded_size(sizes: tuple[int, ...], n: int) -> int:
     """The smallest captured size that holds n, or 0 when none does (sizes ascending)."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else 0
@@ -177,7 +177,7 @@ class StepHandle:
         return self.deferred is not None
 
     @property
-    def late_request_ids(self) -> tuple[str, ...]:
+    def pending_mask_request_ids(self) -> tuple[str, ...]:
         """The requests whose tokens the second pass samples; () once it is launched."""
         return self.deferred.mask_rids if self.deferred is not None else ()
 
@@ -187,7 +187,7 @@ class StepHandle:
         return len(self.plan.late) < len(self.plan.sample_req)
 
     @property
-    def late_rows_request_ids(self) -> tuple[str, ...]:
+    def masked_request_ids(self) -> tuple[str, ...]:
         """The requests the second pass samples, before and after it is launched."""
         late = self.plan.late
         return tuple(rid for b, rid in self.plan.sample_req if b in late)
@@ -308,7 +308,7 @@ class _Launch:
     num_biased: int = 0                  # rows whose logits get a bias line (bias_sel entries)
     late_owners: tuple = ()              # (batch row, request id, _Row) the second pass records
     fences: tuple[int, ...] = ()         # slots whose second passes this step runs after
-    beside_previous: bool = False        # runs beside the step launched just before, not after it
+    parallel_to_previous: bool = False        # runs beside the step launched just before, not after it
     gemm_sms: int = 0                    # SMs its GEMMs are held to (0: all)
 
 
@@ -376,8 +376,8 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.pieces: dict[tuple[int, int], _Pieces] = {}
         self.graph_sizes = tuple(n for n in GRAPH_SIZES if n <= self.max_seqs)
-        top = {self.max_tokens} if self.max_tokens <= PIECE_SIZES[-1] else set()
-        self.piece_sizes = tuple(sorted({n for n in PIECE_SIZES if n < self.max_tokens} | top))
+        top = {self.max_tokens} if self.max_tokens <= LAYER_GRAPH_SIZES[-1] else set()
+        self.layer_graph_sizes = tuple(sorted({n for n in LAYER_GRAPH_SIZES if n < self.max_tokens} | top))
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
         self.guided_routes: Counter = Counter()  # the same, for steps with guided rows
         self.deferred_samples = 0  # steps whose sampler waited for the previous step's tokens
@@ -562,16 +562,17 @@ class ModelRunner:
 
     # ---- a step -----------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch, eos_for: Any, fill_masks: MaskFiller | None = None,
-                defer_masks: bool = False, beside_previous: bool = False, gemm_sms: int = 0) -> StepHandle:
+                defer_masks: bool = False, parallel_to_previous: bool = False,
+                gemm_sms: int = 0) -> StepHandle:
         """Stage and launch one step; never waits for the device. eos_for(request_id) gives the
         token ids that min_tokens keeps banned; fill_masks the token bitmasks of guided rows.
 
-        beside_previous: the step shares no sequence with the one launched just before (a mixed
+        parallel_to_previous: the step shares no sequence with the one launched just before (a mixed
         step's prompt rows, that one its decodes), so it runs beside it on the device, after
         what that one runs after; the next step runs after both. gemm_sms > 0 holds the step's
         GEMMs to that many SMs (the step runs eager, so that every GEMM is held).
 
-        A guided row whose input is the previous step's token (from_last) cannot have its mask
+        A guided row whose input is the previous step's token (input_in_flight) cannot have its mask
         yet: the grammar must first see that token. Such a step (and, with defer_masks, any step
         with guided rows, whose masks then fill off the caller's thread) samples in two passes:
         the first, launched now behind the forward, samples and records every other row; the
@@ -636,7 +637,7 @@ class ModelRunner:
                 row = self.rows[s.request_id]
             n, p0, blocks = s.num_tokens, s.start_pos, s.block_ids
             if n == 1:
-                if s.from_last:
+                if s.input_in_flight:
                     ids.append(0)
                     src.append(row.index)
                 else:
@@ -644,7 +645,7 @@ class ModelRunner:
                     src.append(-1)
                 pos_l.append(p0)
                 slots_l.append(blocks[p0 // bs] * bs + p0 % bs)
-            else:  # one-token decodes graph whether their input is known or from_last
+            else:  # one-token decodes graph whether their input is known or input_in_flight
                 decode_only = False
                 ids.extend(s.token_ids)
                 src.extend([-1] * n)
@@ -681,7 +682,7 @@ class ModelRunner:
                     masked.append(b)
                     mask_rids.append(s.request_id)
                     mask_owners.append((b, s.request_id, row))
-                    from_last_guided |= s.from_last
+                    from_last_guided |= s.input_in_flight
             else:
                 sample_rows.append(-1)
         ids_h[:t] = ids
@@ -723,9 +724,9 @@ class ModelRunner:
         route, padded = "eager", 0
         if self.use_graphs and not gemm_sms:
             if decode_only and not any_penalty and not any_ban and not num_biased and logprobs_k == 0 \
-                    and (padded := _padded(self.graph_sizes, nseq)):
+                    and (padded := padded_size(self.graph_sizes, nseq)):
                 route = "graph"
-            elif self.pieces and (padded := _padded(self.piece_sizes, t)):
+            elif self.pieces and (padded := padded_size(self.layer_graph_sizes, t)):
                 route = "pieces"
         self.routes[route] += 1
         if num_masks:
@@ -735,7 +736,7 @@ class ModelRunner:
                        route, padded, num_decodes, num_masks=num_masks, mask_rids=tuple(mask_rids),
                        deferred=deferred, bias_inits=tuple(bias_inits), num_biased=num_biased,
                        late_owners=tuple(mask_owners) if deferred else (),
-                       fences=tuple(self._fences - {slot}), beside_previous=beside_previous,
+                       fences=tuple(self._fences - {slot}), parallel_to_previous=parallel_to_previous,
                        gemm_sms=gemm_sms)
         self.step_id += 1
         future: concurrent.futures.Future | None = None
@@ -847,11 +848,11 @@ class ModelRunner:
         slot, nseq, mb = st.slot, st.nseq, st.mb
         buf = self.slots[slot]
         with ops.slot(slot):
-            waits = self._prev_waits if st.beside_previous else self.prev_slots
+            waits = self._prev_waits if st.parallel_to_previous else self.prev_slots
             for other in dict.fromkeys((*waits, *st.fences)):
                 if other != slot:
                     ops.after(slot, other)
-            if st.beside_previous:
+            if st.parallel_to_previous:
                 self.prev_slots = (*self.prev_slots, slot)
             else:
                 self._prev_waits, self.prev_slots = self.prev_slots, (slot,)
@@ -1015,7 +1016,7 @@ class ModelRunner:
                 return out
             hidden.append(self.model.hidden(fb, self.kv, attend))
 
-        graphs, high = ops.capture_pieces(slot, run)
+        graphs, high = ops.capture_layer_graphs(slot, run)
         return _Pieces(size, graphs, attention, hidden[0], high)
 
     def capture_graphs(self) -> None:
@@ -1034,7 +1035,7 @@ class ModelRunner:
             # numpy ops return fresh arrays instead of rewriting captured ones, so nothing
             # could run between replayed pieces there: those steps stay eager.
             if self.ops.name == "cuda":
-                for size in self.piece_sizes:
+                for size in self.layer_graph_sizes:
                     self.pieces[(slot, size)] = self._capture_pieces(slot, size)
 
     def _capture_decode(self, slot: int, size: int) -> _DecodeGraph:
@@ -1053,7 +1054,7 @@ class ModelRunner:
                 cut()
                 sample()
 
-            (graph.forward, graph.sample), graph.high = self.ops.capture_pieces(slot, run)
+            (graph.forward, graph.sample), graph.high = self.ops.capture_layer_graphs(slot, run)
         else:
             graph.forward, graph.sample = self.ops.capture_parts(slot, (forward, sample))
         return graph

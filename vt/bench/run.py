@@ -1,7 +1,7 @@
 """`vt bench`: a serving benchmark like `vllm bench serve`, and the async-scheduling on/off comparison.
 
 It sends random token-id prompts of exact lengths as streaming completions, records every chunk's
-arrival time, and prints throughput and latency figures (computed in vt.bench_stats).
+arrival time, and prints throughput and latency figures (computed in vt.bench.stats).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from vt.bench_stats import SLO_KEYS, BenchSummary, RequestRecord, gpu_stats, summarize
-from vt.subprocesses import terminate
+from vt.bench.stats import SLO_KEYS, BenchSummary, RequestRecord, gpu_stats, summarize
+from vt.launch.subprocesses import terminate
 
 READY = re.compile(r"vt: serving on (http://\S+)")
 STOP_TIMEOUT_S = 30.0
@@ -301,7 +301,7 @@ def make_prompts(pool: list[int], cfg: BenchConfig) -> list[Prompt]:
 
 def pool_from_tokenizer(model_dir: str) -> list[int]:
     """Every non-special id of the checkpoint's tokenizer."""
-    from vt.tokenizer import Tokenizer
+    from vt.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     special = set(tok.special_ids) | set(tok.eos_token_ids)
@@ -723,7 +723,7 @@ class ServerProcess:
                  launcher: tuple[str, ...] = ()) -> None:
         """launcher: the command that stands for `python -m vt` (a benchmark's wrapper of it)."""
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)  # so the child imports this same vt
+        root = str(Path(__file__).resolve().parents[2])  # so the child imports this same vt
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         self.cmd = [*(launcher or (sys.executable, "-m", "vt")), "serve", "--model", model_dir,
@@ -897,7 +897,7 @@ def run_single(cfg: BenchConfig) -> int:
     if cfg.json_path:
         _write_json(cfg.json_path, {"config": _config_json(cfg), **_run_json(result)})
     if cfg.plot_path:
-        from vt.bench_plot import save_plot
+        from vt.bench.plot import save_plot
 
         save_plot(cfg.plot_path, {"bench": [result.records]})
     return 0
@@ -931,7 +931,7 @@ def run_compare(cfg: BenchConfig) -> int:
             "mismatched_prompts": mismatched,
         })
     if cfg.plot_path:
-        from vt.bench_plot import save_plot
+        from vt.bench.plot import save_plot
 
         save_plot(cfg.plot_path, {name: [r.records for r in runs[name]] for name, _ in ARMS})
     return 0
@@ -944,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse already printed usage and the message
         return e.code if isinstance(e.code, int) else 2
     if args.plot:
-        from vt.bench_plot import MISSING_MATPLOTLIB, plotting_available
+        from vt.bench.plot import MISSING_MATPLOTLIB, plotting_available
 
         if not plotting_available():  # now, not after a run that cannot be plotted
             print(f"vt bench: error: {MISSING_MATPLOTLIB}", file=sys.stderr)

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from vt.preview import preview
 from vt.structured.spec import StructuredOutput
+from vt.text.preview import preview
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, on every backend
 MAX_N = 128

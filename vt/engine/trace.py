@@ -29,7 +29,7 @@ class StepShape:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> StepShape:
-        decodes = sum(1 for s in batch.seqs if s.from_last or (s.num_tokens == 1 and s.new is None))
+        decodes = sum(1 for s in batch.seqs if s.input_in_flight or (s.num_tokens == 1 and s.new is None))
         tokens = batch.num_tokens
         return cls(seqs=len(batch.seqs), tokens=tokens, decodes=decodes, prompt_tokens=tokens - decodes,
                    max_context=max((s.start_pos + s.num_tokens for s in batch.seqs), default=0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vt.sampling import SamplingParams
+from vt.sampling_params import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
 
 PROBE_REQUEST_ID = "\x00vt-probe"  # no client can send this id: it is never a uuid
@@ -29,7 +29,7 @@ async def run_probe(runner: Any, pool: Any) -> BaseException | None:
     if blocks is None:
         return ProbeUnavailable("no free KV block to run a probe step on")
     seq = ScheduledSeq(request_id=PROBE_REQUEST_ID, start_pos=0, num_tokens=1, token_ids=(0,),
-                       from_last=False, block_ids=tuple(blocks), sample=True, output_index=0,
+                       input_in_flight=False, block_ids=tuple(blocks), sample=True, output_index=0,
                        new=NewRequestData(prompt_token_ids=(0,), output_token_ids=(), params=_PROBE_PARAMS))
     try:
         handle = runner.execute(ScheduledBatch(seqs=(seq,), released=(), num_tokens=1), lambda _: ())

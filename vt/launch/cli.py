@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from vt import __version__
 from vt.config import EngineConfig
-from vt.vllm_flags import add_model_flags, add_serve_flags, api_options, check_model_flags
+from vt.launch.vllm_flags import add_model_flags, add_serve_flags, api_options, check_model_flags
 
 log = logging.getLogger("vt.serve")
 
@@ -25,7 +25,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 if TYPE_CHECKING:
-    from vt.kv_publisher import KVEventsConfig
+    from vt.sched.kv_publisher import KVEventsConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -108,7 +108,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _kv_events_config(text: str | None) -> KVEventsConfig | None:
     if text is None:
         return None
-    from vt.kv_publisher import parse_kv_events_config
+    from vt.sched.kv_publisher import parse_kv_events_config
 
     return parse_kv_events_config(text)
 
@@ -179,11 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # bench parses its own flags (argparse REMAINDER rejects leading dashes)
-        from vt.bench import main as bench_main
+        from vt.bench.run import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["replicas"]:  # parses its own flags too; those after `--` go to `vt serve`
-        from vt.replicas import main as replicas_main
+        from vt.launch.replicas import main as replicas_main
 
         return replicas_main(argv[1:])
     parser = build_parser()
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             logging.basicConfig(level=args.log_level.upper(), datefmt="%m-%d %H:%M:%S",
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            from vt.serve import limits_from_env, run_server
+            from vt.launch.serve import limits_from_env, run_server
 
             limits = limits_from_env(header_timeout_s=args.http_header_timeout,
                                      keepalive_timeout_s=args.http_keepalive_timeout,
@@ -253,7 +253,7 @@ def _model_names(served: list[str] | None, model_arg: str | None,
 
 def _generate(args: argparse.Namespace, cfg: EngineConfig) -> int:
     from vt.llm import LLM
-    from vt.sampling import SamplingParams
+    from vt.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed)

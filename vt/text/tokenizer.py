@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vt.chat_template import ChatTemplateError, TemplateCache, render_chat
+from vt.text.chat_template import ChatTemplateError, TemplateCache, render_chat
 
 __all__ = ["ChatTemplateError", "DetokStream", "Tokenizer"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from vt.bench_stats import RequestRecord, e2els, throughput_over_time, tpots, ttfts
+from vt.bench.stats import RequestRecord, e2els, throughput_over_time, tpots, ttfts
 
 MISSING_MATPLOTLIB = ("--plot needs matplotlib, the bench extra: pip install 'vt-serve[bench]' "
                       "(in a clone: pip install -e '.[bench]')")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vt.preview import preview
-from vt.sampling import SamplingParams, SamplingParamsError
+from vt.sampling_params import SamplingParams, SamplingParamsError
+from vt.text.preview import preview
 
 INT32_MAX = 2**31 - 1
 _F32 = np.finfo(np.float32)

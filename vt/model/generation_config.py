@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vt.sampling import SamplingParams, SamplingParamsError
+from vt.sampling_params import SamplingParams, SamplingParamsError
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json field -> SamplingParams field (and request field)

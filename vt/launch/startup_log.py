@@ -7,7 +7,7 @@ from typing import Any
 
 from vt import __version__
 from vt.config import ModelConfig
-from vt.generation_config import SamplingDefaults
+from vt.model.generation_config import SamplingDefaults
 
 GIB = 1024**3
 

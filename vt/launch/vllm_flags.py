@@ -12,12 +12,12 @@ import argparse
 import logging
 from pathlib import Path
 
-from vt.chat_template import TemplateCache, load_chat_template
-from vt.generation_config import load_sampling_defaults
 from vt.http.api_options import ApiOptions
 from vt.http.reasoning import PARSERS as REASONING_PARSERS
 from vt.http.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from vt.sampling import MAX_LOGPROBS
+from vt.model.generation_config import load_sampling_defaults
+from vt.sampling_params import MAX_LOGPROBS
+from vt.text.chat_template import TemplateCache, load_chat_template
 
 log = logging.getLogger("vt.serve")
 

@@ -27,27 +27,34 @@ import logging
 import os
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vt.admission import AdmissionLimits, check_params, check_token_ids
 from vt.config import EngineConfig, ModelConfig
+from vt.engine.admission import AdmissionLimits, check_params, check_token_ids
+from vt.engine.outputs import (
+    EngineDeadError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestOutput,
+    RequestStream,
+    TokenLogprob,
+)
+from vt.engine.probe import ProbeUnavailable, run_probe
+from vt.engine.stats import EngineStats
+from vt.engine.trace import StepTrace
 from vt.kernels import get_backend
-from vt.runner import MAX_BANNED, ModelRunner, StepHandle, StepOutput
-from vt.sampling import SamplingParams
+from vt.runner.runner import MAX_BANNED, ModelRunner, StepHandle, StepOutput
+from vt.sampling_params import SamplingParams
 from vt.sched.kv_events import AllBlocksCleared, KVEventLog
 from vt.sched.output import ScheduledBatch
 from vt.sched.request import Request, RequestStatus
 from vt.sched.scheduler import Scheduler, SchedulerConfig
-from vt.stats import EngineStats
-from vt.step_probe import ProbeUnavailable, run_probe
-from vt.step_trace import StepTrace
 from vt.structured.compiler import CompiledGrammar, GrammarCompiler
 from vt.structured.guide import Guide
 from vt.structured.spec import GrammarSpec
-from vt.tokenizer import DetokStream, Tokenizer
+from vt.text.tokenizer import DetokStream, Tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,42 +64,6 @@ log = logging.getLogger("vt.engine")
 # which the device counts as unusable; any step that runs resets the count.
 MAX_CONSECUTIVE_FAILURES = 3
 SPLIT_MIN_DECODES = 32  # the fewest decodes a mixed step is split for (split_decode_sms)
-
-
-class PromptTooLongError(ValueError):
-    pass
-
-
-class QueueFullError(RuntimeError):
-    pass
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-# One per token of every request: slotted and unfrozen, as a frozen dataclass costs ~1.5 us
-# more to build. Readers treat it as immutable.
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    text: str                                   # delta since the last output
-    token_ids: tuple[int, ...]                  # delta
-    logprobs: tuple[TokenLogprob, ...] | None   # delta, aligned with token_ids
-    finished: bool
-    finish_reason: str | None                   # stop | length | abort | error
-    stop_reason: str | int | None               # matched stop string or stop token id
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
 
 
 @dataclass
@@ -105,68 +76,6 @@ class _State:
     finished: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
-
-
-class RequestStream:
-    """Async iterator of one request's RequestOutputs; closing it early aborts the request.
-
-    The engine puts one output per request per step, so this is a plain deque with a single
-    waiter rather than an asyncio.Queue, whose getter and putter bookkeeping cost ~2 us a token.
-    """
-
-    __slots__ = ("engine", "request_id", "_items", "_waiter", "_done", "_deliver")
-
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.engine, self.request_id = engine, request_id
-        self._items: deque[RequestOutput] = deque()
-        self._waiter: asyncio.Future | None = None
-        self._done = False
-        self._deliver: Callable[[RequestOutput], None] | None = None
-
-    def deliver_to(self, fn: Callable[[RequestOutput], None]) -> None:
-        """Hand every output to fn instead of queueing it for iteration. fn runs on the event
-        loop once the scheduler yields (after the next step is launched), in output order; it
-        must not raise (what it raises is logged)."""
-        self._deliver = fn
-        items, self._items = self._items, deque()
-        for out in items:
-            self.engine._post(fn, out)
-
-    def put(self, out: RequestOutput) -> None:
-        """Engine side: never blocks; wakes the reader if it waits."""
-        if self._deliver is not None:
-            self.engine._post(self._deliver, out)
-            return
-        self._items.append(out)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        while not self._items:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiter = waiter
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:
-                    self._waiter = None
-        out = self._items.popleft()
-        if out.finished:
-            self._done = True
-        return out
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self.engine.abort(self.request_id)
 
 
 @dataclass
@@ -255,7 +164,7 @@ class AsyncEngine:
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
         self.kv_publisher = None
         if config.kv_events_config is not None and config.kv_events_config.enabled:
-            from vt.kv_publisher import ZmqEventPublisher
+            from vt.sched.kv_publisher import ZmqEventPublisher
 
             self.kv_publisher = ZmqEventPublisher(config.kv_events_config)
             self.scheduler.pool.events = KVEventLog(config.block_size)
@@ -433,7 +342,7 @@ class AsyncEngine:
         (a late one's, still filling its masks) must be processed before h's masks are built."""
         states = self._states
         return all((s := states.get(rid)) is None or s.request.num_pending <= 1
-                   for rid in h.late_request_ids)
+                   for rid in h.pending_mask_request_ids)
 
     def _launch_masked(self, h: StepHandle) -> None:
         """Launch a step's second sampler pass with its masks, waiting for them if they are still
@@ -460,7 +369,7 @@ class AsyncEngine:
             if self._masks_ready(h):
                 self._launch_masked(h)
             else:
-                hold.update(h.late_request_ids)
+                hold.update(h.pending_mask_request_ids)
         self.held_total += len(hold)
         return frozenset(hold)
 
@@ -522,7 +431,7 @@ class AsyncEngine:
                 continue
             if (len(inflight) < self.depth and self.runner.has_free_slot and self._dead is None
                     and self._suspect is None):
-                batch = self.scheduler.schedule(hold=self._launch_ready_masks())
+                batch = self.scheduler.schedule(sit_out=self._launch_ready_masks())
                 if not batch.empty:
                     # An admitted request starts past the prompt tokens the prefix cache had.
                     for s in batch.seqs:
@@ -540,7 +449,7 @@ class AsyncEngine:
                             # At depth 2 guided rows sample in a second pass, once their masks
                             # are filled on the grammar thread.
                             h = self.runner.execute(part, self._eos_for, self._fill_masks,
-                                                    defer_masks=self.depth > 1, beside_previous=beside,
+                                                    defer_masks=self.depth > 1, parallel_to_previous=beside,
                                                     gemm_sms=sms)
                         except Exception as exc:  # staging failed: fail this batch's requests
                             log.exception("step launch failed")
@@ -576,7 +485,7 @@ class AsyncEngine:
                         self._drop_failed_step(h, step_rids, exc)
                         continue
                     self._process(first)
-                    step_rids = list(h.late_rows_request_ids)
+                    step_rids = list(h.masked_request_ids)
                     self.early_first_passes += 1
                     if self.runner.has_free_slot:
                         # h keeps its slot until its guided rows are sampled; the next step

@@ -12,12 +12,12 @@ import time
 from collections.abc import Mapping
 
 from vt.config import EngineConfig
-from vt.engine import AsyncEngine
+from vt.engine.engine import AsyncEngine
 from vt.http.api_options import ApiOptions
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpLimits, HttpServer
-from vt.startup_summary import startup_lines
-from vt.stats_logger import STATS_INTERVAL_S, log_stats
+from vt.launch.startup_log import startup_lines
+from vt.launch.stats_log import STATS_INTERVAL_S, log_stats
 
 log = logging.getLogger("vt.serve")
 

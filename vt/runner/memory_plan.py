@@ -34,7 +34,7 @@ from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import MAX_KEY_SPLITS, attention_partial_bytes
 from vt.kernels.base import prologue_fused
 from vt.model.shard import TensorSplit
-from vt.sampling import MAX_LOGPROBS
+from vt.sampling_params import MAX_LOGPROBS
 
 ACT_BYTES = 2  # bf16 activations on CUDA; the numpy ledger counts them at this size too
 # Split-key partials of one attention launch: enough for every decode batch and short prefill

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vt.subprocesses import terminate
+from vt.launch.subprocesses import terminate
 
 READY = re.compile(r"vt: serving on (http://\S+)")
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
