@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, e2e serving on CUDA, decode-step benchmarks. Logs go to $OUT.
+# Run from the checkout's root: bash bench/gpu_check.sh (STEPS="..." picks the steps; bench/README.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/vt-out}"; mkdir -p "$OUT"
@@ -11,11 +12,22 @@ nvidia-smi -L | tee "$OUT/device.log"
 steps="${STEPS:-ops model e2e bench06 bench8}"
 # transformers (generate and generate_batch), then vt at the same concurrency: $1 checkpoint, $2 log name
 peer_pair() {
-  timeout 300 python3 bench/peer_transformers.py --model "$1" --batch 128 --json "$OUT/$2.json" 2>&1 \
+  timeout 300 python3 -m bench.serving.peer_transformers --model "$1" --batch 128 --json "$OUT/$2.json" 2>&1 \
     | grep -vE "Loading weights|WARNING" | tail -4 | tee "$OUT/$2.log"
   timeout 300 python3 -m vt bench --model "$1" --device cuda --no-progress --num-prompts 128 \
     --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
+}
+# A bench script in checkout $1 (this one: .), under a timeout of $2 s, as module $3 (serving.x); the rest
+# are its arguments. Checkouts from before bench/ had folders keep their scripts as bench/x.py.
+bench_in() {
+  local tree=$1 secs=$2 module=$3
+  shift 3
+  if [ -f "$tree/bench/${module//.//}.py" ]; then
+    (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$secs" python3 -m "bench.$module" "$@")
+  else
+    (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$secs" python3 "bench/${module#*.}.py" "$@")
+  fi
 }
 for s in $steps; do
   echo "== $s $(date -u +%T)" | tee -a "$OUT/steps.log"
@@ -23,16 +35,16 @@ for s in $steps; do
     ops) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
     model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
     e2e) VT_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_openai_e2e.py 2>&1 | tail -30 | tee "$OUT/e2e.log" ;;
-    kernels) timeout 150 python3 bench/kernel_bench.py 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
-    gemm) timeout 200 python3 bench/gemm_decode.py --preset 8b --json "$OUT/gemm8.json" 2>&1 | tail -40 \
+    kernels) timeout 150 python3 -m bench.kernels.kernel_bench 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
+    gemm) timeout 200 python3 -m bench.probes.gemm_decode --preset 8b --json "$OUT/gemm8.json" 2>&1 | tail -40 \
       | tee "$OUT/gemm8.log" ;;
-    lt) timeout 400 python3 bench/lt_search.py --preset 8b --rows "${LT_ROWS:-64,128,256}" --seconds "${LT_SECONDS:-20}" --limit "${LT_LIMIT:-20000}" \
+    lt) timeout 400 python3 -m bench.probes.lt_search --preset 8b --rows "${LT_ROWS:-64,128,256}" --seconds "${LT_SECONDS:-20}" --limit "${LT_LIMIT:-20000}" \
       --json "$OUT/lt8.json" 2>&1 | tail -60 | tee "$OUT/lt8.log" ;;
-    layout) timeout 120 python3 bench/gemm_layout.py --preset 8b --json "$OUT/layout8.json" 2>&1 | tail -12 \
+    layout) timeout 120 python3 -m bench.probes.gemm_layout --preset 8b --json "$OUT/layout8.json" 2>&1 | tail -12 \
       | tee "$OUT/layout8.log" ;;
-    bench06) timeout 200 python3 bench/decode_step.py --preset 0.6b --batches 1,32,64,128,256 --context 512 \
+    bench06) timeout 200 python3 -m bench.step.decode_step --preset 0.6b --batches 1,32,64,128,256 --context 512 \
       --modes "${MODES:-graph,eager}" 2>&1 | grep "^|" | tee "$OUT/decode06.log" ;;
-    bench8) timeout 300 python3 bench/decode_step.py --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
+    bench8) timeout 300 python3 -m bench.step.decode_step --preset 8b --batches 1,32,64,128,256 --context 512 --modes graph \
       2>&1 | grep "^|" | tee "$OUT/decode8.log" ;;
     serve06)
       timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
@@ -66,22 +78,22 @@ for s in $steps; do
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       peer_pair /tmp/q8 peer8 ;;
     host)  # the serving host's CPU cost per token (no GPU used): what bounds high-concurrency rows
-      timeout 200 python3 bench/host_overhead.py --repeats 3 2>&1 | tail -6 | tee "$OUT/host.log" ;;
+      timeout 200 python3 -m bench.serving.host_overhead --repeats 3 2>&1 | tail -6 | tee "$OUT/host.log" ;;
     profile)
       # Every kernel of a step (depth 1) and the depth-2 device timeline; the 8B build takes ~1 min.
       for p in ${PRESETS:-0.6b 8b}; do
-        timeout 240 python3 bench/step_profile.py --preset $p --batch "${BATCH:-64}" --context "${CONTEXT:-512}" \
+        timeout 240 python3 -m bench.step.step_profile --preset $p --batch "${BATCH:-64}" --context "${CONTEXT:-512}" \
           --prefill "${PREFILL:-0}" 2>&1 | tail -60 \
           | sed "s/^/$p /" | tee -a "$OUT/profile.log"
       done ;;
     prefill)
       for p in 0.6b 8b; do
-        timeout 200 python3 bench/prefill.py --preset $p --json "$OUT/prefill_$p.json" 2>&1 | tail -8 \
+        timeout 200 python3 -m bench.step.prefill --preset $p --json "$OUT/prefill_$p.json" 2>&1 | tail -8 \
           | tee -a "$OUT/prefill.log"
       done ;;
     chunked)  # one prompt alone, chunked as served: 1k, 8k and 32k prompts at two chunk sizes
       for p in ${PRESETS:-0.6b 8b}; do
-        timeout 300 python3 bench/prefill.py --preset $p --prompt-lens 1024,8192,32768 --chunks 2048,8192 \
+        timeout 300 python3 -m bench.step.prefill --preset $p --prompt-lens 1024,8192,32768 --chunks 2048,8192 \
           --repeats 3 --warmup 1 --json "$OUT/chunked_$p.json" 2>&1 | tail -9 | tee -a "$OUT/chunked.log"
       done ;;
     structured|structured_tests)  # the bitmask kernel and guided serving on CUDA
@@ -92,23 +104,23 @@ for s in $steps; do
         2>&1 | tail -10 | tee -a "$OUT/structured_tests.log" ;;&
     structured|structured_bench)  # the JSON-schema share table (0.6B shapes) and mask-fill times
       test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
-      timeout 590 python3 bench/structured_outputs.py --model /tmp/q06 --device cuda --num-prompts 512 \
+      timeout 590 python3 -m bench.serving.structured_outputs --model /tmp/q06 --device cuda --num-prompts 512 \
         --max-concurrency 128 --output-len 256 --shares "${SHARES:-0,25,100}" --server-args='--max-model-len 2048' --out "$OUT/structured" \
         2>&1 | tail -12 | tee "$OUT/structured.log"
-      timeout 200 python3 bench/mask_fill.py --rows 32,128 --threads 1,4,8 2>&1 | tail -9 \
+      timeout 200 python3 -m bench.step.mask_fill --rows 32,128 --threads 1,4,8 2>&1 | tail -9 \
         | tee "$OUT/mask_fill.log" ;;
     tilings)  # prefill attention's tilings: on the device against numpy, kernel times, prompts as served
       # first the short diagnostic (a kernel that hangs costs 90 s here, not the suites' timeouts)
-      timeout 90 python3 bench/attn_debug.py --tiling wg --tiling wgp --tiling wgv --tiling wgr 2>&1 | tail -40 \
+      timeout 90 python3 -m bench.kernels.attn_debug --tiling wg --tiling wgp --tiling wgv --tiling wgr 2>&1 | tail -40 \
         | tee "$OUT/tilings_tests.log"
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings or ragged" \
         2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
       VT_PREFILL_TILING=${MODEL_TILING:-wg} timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
         tests/gpu/test_model_cuda.py 2>&1 | tail -5 | tee -a "$OUT/tilings_tests.log"
-      timeout 200 python3 bench/attn_tilings.py --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
+      timeout 200 python3 -m bench.kernels.attn_tilings --json "$OUT/tilings.json" --best "$OUT/best_tiling" 2>&1 | tail -40 \
         | tee "$OUT/tilings.log"
       for t in ${TILINGS:-wg wgp wgv wgr wg3 w8 m2}; do
-        VT_PREFILL_TILING=$t timeout 200 python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192,32768 \
+        VT_PREFILL_TILING=$t timeout 200 python3 -m bench.step.prefill --preset 8b --prompt-lens 1024,8192,32768 \
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"
       done ;;
@@ -116,19 +128,19 @@ for s in $steps; do
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null)}"
       echo "prefill tiling: ${t:-default}" | tee "$OUT/targets8.log"
-      VT_PREFILL_TILING=$t timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-${t:-default}" --rows targets \
+      VT_PREFILL_TILING=$t timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-${t:-default}" --rows targets \
         --server-args="--max-num-seqs 256 --max-model-len 16384" --budget "${BUDGET:-500}" --out "$OUT/t8" \
         2>&1 | grep -v "^Loading" | tee -a "$OUT/targets8.log" ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B
       test -d /tmp/q06 || timeout 120 python3 -m vt make-model /tmp/q06 --preset 0.6b > /tmp/make06.log 2>&1
-      timeout 590 python3 bench/serving_matrix.py --model /tmp/q06 --label 0.6b --rows "${ROWS:-all}" \
+      timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q06 --label 0.6b --rows "${ROWS:-all}" \
         ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-480}" --out "$OUT/m06" \
         2>&1 | grep -v "^Loading" | tee "$OUT/matrix06.log" ;;
     matrix8)  # the same for 8B, and one 40,900-token prompt alone and beside 64 decoding requests
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
-      timeout 590 python3 bench/serving_matrix.py --model /tmp/q8 --label 8b --rows "${ROWS:-all}" \
+      timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label 8b --rows "${ROWS:-all}" \
         ${SHAPES:+--shapes $SHAPES} ${CONC:+--concurrency $CONC} --budget "${BUDGET:-420}" \
         --server-args="--max-num-seqs 256 --max-model-len 40960" --long "${LONG:-40900}" --out "$OUT/m8" \
         2>&1 | grep -v "^Loading" | tee "$OUT/matrix8.log" ;;
@@ -137,10 +149,10 @@ for s in $steps; do
       for b in ${BUDGETS:-2048 8192}; do
         for t in ${TRACE_ROWS:-1024/128 8000/64}; do
           f="/tmp/trace_${b}_${t/\//x}.jsonl"
-          timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-b$b" --rows targets --targets "$t" \
+          timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-b$b" --rows targets --targets "$t" \
             --server-args="--max-num-seqs 256 --max-model-len 16384 --max-num-batched-tokens $b --step-trace $f" \
             --out "/tmp/tr_$b" 2>&1 | grep "^| target" | sed "s/^/b=$b /" | tee -a "$OUT/trace8.log"
-          python3 bench/step_trace_summary.py "$f" --budget "$b" | tee -a "$OUT/trace8.log"
+          python3 -m bench.serving.step_trace_summary "$f" --budget "$b" | tee -a "$OUT/trace8.log"
         done
       done ;;
     structured_ab)  # the 0.6B structured load on this tree against another checkout ($AB_BASE), alternated, traced
@@ -150,11 +162,11 @@ for s in $steps; do
           name=$([ "$tree" = . ] && echo this || echo base)
           for share in ${SHARES:-25 0}; do
             f="/tmp/tr_${name}_${share}_${rep}.jsonl"
-            PYTHONPATH="$(cd "$tree" && pwd):$PYTHONPATH" timeout 150 python3 "$tree/bench/structured_outputs.py" \
+            bench_in "$tree" 150 serving.structured_outputs \
               --model /tmp/q06 --device cuda --num-prompts 512 --max-concurrency 128 --output-len 256 --shares "$share" \
               --arms on --server-args="--max-model-len 2048 --step-trace $f" 2>&1 | grep -E "^\| *[0-9]+%" \
               | sed "s/^/$name r$rep /" | tee -a "$OUT/structured_ab.log"
-            python3 bench/step_trace_summary.py "$f" 2>&1 | grep "steps, device" | sed "s/^/$name s$share r$rep /" \
+            python3 -m bench.serving.step_trace_summary "$f" 2>&1 | grep "steps, device" | sed "s/^/$name s$share r$rep /" \
               | tee -a "$OUT/structured_ab.log"
           done
         done
@@ -165,31 +177,31 @@ for s in $steps; do
         for arm in off on; do
           f="/tmp/pace_${arm}_${rep}.jsonl"
           flag=$([ "$arm" = on ] && echo "--prefill-pacing")
-          timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-pacing-$arm" --rows targets \
+          timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-pacing-$arm" --rows targets \
             --targets "${PACE_ROWS:-8000/64,1024/128}" --out "/tmp/pace_$arm" \
             --server-args="--max-num-seqs 256 --max-model-len 16384 $flag --step-trace $f" 2>&1 \
             | grep "^| target" | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
-          python3 bench/step_trace_summary.py "$f" --budget 2048 | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
+          python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
         done
       done ;;
     overlap)  # a mixed step against its prompt and decode rows as two steps side by side (SM targets)
-      timeout 400 python3 bench/overlap_probe.py --preset 8b --decodes "${DECODES:-227}" --context "${CONTEXT:-1088}" \
+      timeout 400 python3 -m bench.probes.overlap_probe --preset 8b --decodes "${DECODES:-227}" --context "${CONTEXT:-1088}" \
         --prompt "${PROMPT:-1820}" --sms "${SMS:-0,16,24,32,48}" 2>&1 | tail -30 | tee "$OUT/overlap.log" ;;
     split8)  # the 8B target rows with each mixed step split in two beside each other (VT_SPLIT_DECODE_SMS)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       for k in ${SPLIT_SMS:-0 32}; do
         f="/tmp/split_$k.jsonl"
-        VT_SPLIT_DECODE_SMS=$k timeout 300 python3 bench/serving_matrix.py --model /tmp/q8 --label "8b-split$k" \
+        VT_SPLIT_DECODE_SMS=$k timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-split$k" \
           --rows targets --targets "${SPLIT_ROWS:-1024/128,8000/64}" --out "/tmp/split_$k" \
           --server-args="--max-num-seqs 256 --max-model-len 16384 --step-trace $f" 2>&1 \
           | grep "^| target" | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
-        python3 bench/step_trace_summary.py "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
+        python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
       done ;;
     kernels_ab)  # the element kernels' times on this tree against another checkout ($AB_BASE), alternated
       for rep in 1 2; do
         for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
           for b in ${AB_BATCHES:-2047 227}; do
-            (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 bench/kernel_bench.py --batch "$b") 2>&1 \
+            bench_in "$tree" 150 kernels.kernel_bench --batch "$b" 2>&1 \
               | grep -iE "silu|qk_norm|rms" | sed "s|^|$([ "$tree" = . ] && echo this || echo base) b=$b r$rep |" \
               | tee -a "$OUT/kernels_ab.log"
           done
@@ -200,7 +212,7 @@ for s in $steps; do
       for t in ${TILINGS:-wgv}; do
         timeout 240 "$n" --kernel-name regex:attention_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
-          --section LaunchStats --section MemoryWorkloadAnalysis python3 bench/attn_ncu.py --tiling $t --prompt 8192 \
+          --section LaunchStats --section MemoryWorkloadAnalysis python3 -m bench.kernels.attn_ncu --tiling $t --prompt 8192 \
           2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 | sed "s/^/$t /" | tee -a "$OUT/ncu.log"
       done ;;
     *) ;;

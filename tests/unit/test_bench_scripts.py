@@ -1,9 +1,11 @@
-"""bench/prefill.py, bench/peer_transformers.py and bench/structured_outputs.py run on CPU and report sane
-figures."""
+"""The bench scripts that run without a GPU (bench/step/prefill.py, bench/serving/peer_transformers.py,
+bench/serving/structured_outputs.py, ...) run on CPU, as `python3 -m bench.<folder>.<script>`, and report
+sane figures; the pure parts of the others are checked on hand-made inputs."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import io
 import json
@@ -19,28 +21,24 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCH = REPO_ROOT / "bench"
 
 
-def run_script(script: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+def run_script(module: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """`python3 -m bench.<module>` from the checkout's root, as bench/README.md runs the scripts."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", f"bench.{module}", *args], capture_output=True, text=True,
                           cwd=str(REPO_ROOT), env=env, timeout=timeout)
 
 
-def load_script(name: str) -> ModuleType:
-    """A bench script as a module, loaded by path (the bench folder stays off sys.path)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def load_script(module: str) -> ModuleType:
+    """A bench script as a module: bench.<module>, imported as the scripts import each other."""
+    return importlib.import_module(f"bench.{module}")
 
 
 def test_prefill_tiny_numpy_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "prefill.json"
-    proc = run_script("prefill.py", "--preset", "tiny", "--device", "numpy", "--prompt-lens", "64,256",
+    proc = run_script("step.prefill", "--preset", "tiny", "--device", "numpy", "--prompt-lens", "64,256",
                       "--tokens", "256", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
@@ -58,8 +56,7 @@ def test_prefill_tiny_numpy_table_and_json(tmp_path: Path) -> None:
 def test_prefill_flops_count_matmuls_lm_head_and_causal_pairs() -> None:
     from vt.config import ModelConfig
 
-    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):  # prefill imports decode_step
-        prefill = load_script("prefill")
+    prefill = load_script("step.prefill")
     mc = ModelConfig.from_dict(dict(prefill.PRESETS["0.6b"], architectures=["Qwen3ForCausalLM"],
                                     max_position_embeddings=40960))
     h, i, q, kv, layers, vocab = 1024, 3072, 16 * 128, 8 * 128, 28, 151936
@@ -82,11 +79,11 @@ def peer_cpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     tmp = tmp_path_factory.mktemp("peer")
     model, out = make_model(tmp / "tiny", preset="tiny"), tmp / "peer.json"
-    argv = ["peer_transformers.py", "--model", str(model), "--device", "cpu", "--mode", "both",
+    argv = ["peer_transformers", "--model", str(model), "--device", "cpu", "--mode", "both",
             "--batch", "3", "--input-len", "8", "--output-len", "5", "--json", str(out)]
     stdout = io.StringIO()
     with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(stdout):
-        load_script("peer_transformers").main()
+        load_script("serving.peer_transformers").main()
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["batch"] == 3 and data["output_len"] == 5
     assert list(data["modes"]) == ["generate", "generate_batch"]
@@ -112,8 +109,7 @@ def test_peer_generate_batch_gives_figures_or_a_one_line_reason(peer_cpu: dict) 
 
 
 def test_step_profile_splits_steps_and_counts_busy_time_and_gaps() -> None:
-    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):  # step_profile imports decode_step
-        prof = load_script("step_profile")
+    prof = load_script("step.step_profile")
 
     def k(name: str, ts: float, dur: float) -> dict:
         return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
@@ -138,8 +134,7 @@ def test_step_profile_splits_steps_and_counts_busy_time_and_gaps() -> None:
 
 
 def test_step_profile_timeline_merges_overlapping_streams_and_counts_copies() -> None:
-    with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):
-        prof = load_script("step_profile")
+    prof = load_script("step.step_profile")
     ev = [dict(cat="gpu_memcpy", ts=0.0, dur=2.0), dict(cat="kernel", ts=1.0, dur=4.0),  # overlap
           dict(cat="kernel", ts=8.0, dur=2.0), dict(cat="cpu_op", ts=20.0, dur=5.0)]
     tl = prof.timeline(prof.device_events(dict(traceEvents=ev)))
@@ -150,7 +145,7 @@ def test_step_profile_timeline_merges_overlapping_streams_and_counts_copies() ->
 def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_reads(tmp_path: Path) -> None:
     from vt.config import ModelConfig
 
-    ds = load_script("decode_step")
+    ds = load_script("step.decode_step")
     ds.write_config(tmp_path, "8b")
     mc = ModelConfig.from_dir(tmp_path)
     assert ds.roofline_seconds(mc, 64, 512) == pytest.approx(ds.floor_seconds(mc, 64, 512))
@@ -164,8 +159,8 @@ def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_re
 def test_host_overhead_reports_server_cpu_per_token(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     # /proc counts CPU time in 10 ms ticks: 1024 tokens are tens of ms, never zero ticks
-    proc = run_script("host_overhead.py", "--concurrency", "8", "--num-prompts", "32", "--output-len", "32",
-                      "--repeats", "1", "--json", str(out))
+    proc = run_script("serving.host_overhead", "--concurrency", "8", "--num-prompts", "32", "--output-len",
+                      "32", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "server CPU us/token" in proc.stdout
     (row,) = json.loads(out.read_text())
@@ -175,14 +170,14 @@ def test_host_overhead_reports_server_cpu_per_token(tmp_path: Path) -> None:
 
 
 def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path) -> None:
-    """bench/structured_outputs.py on CPU: a 25% JSON-schema load, async on and off; guided
+    """bench/serving/structured_outputs.py on CPU: a 25% JSON-schema load, async on and off; guided
     requests run to max_tokens like the free ones, and one in four is guided."""
     from vt.model.make_model import make_model
 
     model = make_model(tmp_path / "tiny", preset="tiny")
-    proc = run_script("structured_outputs.py", "--model", str(model), "--device", "cpu", "--num-prompts", "8",
-                      "--max-concurrency", "4", "--input-len", "8", "--output-len", "12", "--shares", "25",
-                      "--out", str(tmp_path / "out"), timeout=300)
+    proc = run_script("serving.structured_outputs", "--model", str(model), "--device", "cpu", "--num-prompts",
+                      "8", "--max-concurrency", "4", "--input-len", "8", "--output-len", "12", "--shares",
+                      "25", "--out", str(tmp_path / "out"), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "out" / "structured.json").read_text())
     assert [(r["share"], r["async"]) for r in data["rows"]] == [(25, True), (25, False)]
@@ -191,7 +186,7 @@ def test_structured_outputs_bench_runs_every_row_to_exact_lengths(tmp_path: Path
         assert run["output_throughput"] > 0 and run["tpot_guided_ms"] > 0 and run["tpot_free_ms"] > 0
     table = (tmp_path / "out" / "structured.md").read_text()
     assert "| 25% | on |" in table and "| 25% | off |" in table
-    bench = load_script("structured_outputs")
+    bench = load_script("serving.structured_outputs")
     assert [i for i in range(8) if bench.guided(i, 25)] == [3, 7]
     assert all(bench.guided(i, 100) for i in range(8)) and not any(bench.guided(i, 0) for i in range(8))
 
@@ -203,9 +198,9 @@ def test_structured_outputs_bench_on_an_emulated_device(tmp_path: Path) -> None:
     from vt.model.make_model import make_model
 
     model = make_model(tmp_path / "tiny", preset="tiny")
-    proc = run_script("structured_outputs.py", "--model", str(model), "--device", "cpu", "--num-prompts", "8",
-                      "--max-concurrency", "8", "--input-len", "8", "--output-len", "16", "--shares", "100",
-                      "--emulate-step-ms", "2", "--out", str(tmp_path / "out"), timeout=300)
+    proc = run_script("serving.structured_outputs", "--model", str(model), "--device", "cpu", "--num-prompts",
+                      "8", "--max-concurrency", "8", "--input-len", "8", "--output-len", "16", "--shares",
+                      "100", "--emulate-step-ms", "2", "--out", str(tmp_path / "out"), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "out" / "structured.json").read_text())
     for run in data["runs"]:
@@ -217,7 +212,7 @@ def test_structured_outputs_bench_on_an_emulated_device(tmp_path: Path) -> None:
 def test_emulated_device_runs_jobs_as_a_stream_would() -> None:
     """A job starts when launched or when the previous one ends, whichever is later; when the
     worker got to it does not move it."""
-    clock = load_script("emulated_device").DeviceClock()
+    clock = load_script("serving.emulated_device").DeviceClock()
     t0 = time.monotonic()
     clock.launched = t0
     clock.run(0.002)
@@ -231,7 +226,7 @@ def test_emulated_device_runs_jobs_as_a_stream_would() -> None:
 
 
 def test_emulated_device_picks_a_token_the_mask_allows() -> None:
-    allowed_token = load_script("emulated_device").allowed_token
+    allowed_token = load_script("serving.emulated_device").allowed_token
     rng = np.random.default_rng(0)
     for _ in range(200):
         words = np.zeros(int(rng.integers(1, 40)), dtype=np.int32)
@@ -249,9 +244,9 @@ def test_emulated_device_picks_a_token_the_mask_allows() -> None:
 
 
 def test_attn_tilings_serves_the_fastest_tiling_that_agrees() -> None:
-    """bench/attn_tilings.py --best: a faster tiling whose output drifts from the default's is
+    """bench/kernels/attn_tilings.py --best: a faster tiling whose output drifts from the default's is
     never chosen; among the agreeing ones the best geometric-mean speed-up at 8B's heads wins."""
-    best_tiling = load_script("attn_tilings").best_tiling
+    best_tiling = load_script("kernels.attn_tilings").best_tiling
     rows = [
         {"hq": 32, "tiling": "r64", "speedup": 1.0, "rel_diff": 0.0},
         {"hq": 32, "tiling": "wg", "speedup": 2.5, "rel_diff": 0.004},
@@ -269,7 +264,7 @@ def test_attn_tilings_serves_the_fastest_tiling_that_agrees() -> None:
 
 
 def test_step_trace_summary_groups_steps_by_what_they_computed(tmp_path: Path) -> None:
-    summary = load_script("step_trace_summary")
+    summary = load_script("serving.step_trace_summary")
 
     def step(i: int, ms: float, decodes: int, prompt: int) -> dict:
         return {"step": i, "launch": i * 0.1, "start": i * 0.1, "end": i * 0.1 + ms / 1e3, "device_ms": ms,
@@ -295,9 +290,9 @@ def test_step_trace_summary_groups_steps_by_what_they_computed(tmp_path: Path) -
 def test_schedule_sim_reproduces_the_measured_steps_and_prices_pacing() -> None:
     """The cost model against the H100 step traces it was fitted to (bench/RESULTS.md: 8000/64 at
     budget 2048 served 207.5 tok/s in 304 steps, 175 of them decode-only; with prompts paced at
-    a floor of 512 and no rounding to the piece sizes, 198.5), and pacing as the scheduler now
+    a floor of 512 and no rounding to the layer graph sizes, 198.5), and pacing as the scheduler now
     does it taking decode-only steps out of that row."""
-    sim = load_script("schedule_sim")
+    sim = load_script("serving.schedule_sim")
     from vt.sched.scheduler import SchedulerConfig
 
     def row(**kw):
@@ -317,8 +312,8 @@ def test_schedule_sim_reproduces_the_measured_steps_and_prices_pacing() -> None:
 def test_overlap_probe_runs_its_steps_on_the_numpy_backend() -> None:
     """The probe's steps (mixed, alone, side by side at two SM targets) run end to end on the CPU;
     the GPU run is the one whose times mean anything."""
-    r = run_script("overlap_probe.py", "--preset", "tiny", "--device", "cpu", "--decodes", "8", "--context",
-                   "64", "--prompt", "40", "--sms", "0,16", "--reps", "1")
+    r = run_script("probes.overlap_probe", "--preset", "tiny", "--device", "cpu", "--decodes", "8",
+                   "--context", "64", "--prompt", "40", "--sms", "0,16", "--reps", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("|")]
     assert len(rows) == 8 and rows[-1].startswith("| side by side, decode GEMMs on 16 SMs")

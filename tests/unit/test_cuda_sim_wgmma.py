@@ -1,5 +1,5 @@
 """The simulator's wgmma (tests/cuda_sim/sim_wgmma.h: descriptors, the 128-byte swizzle, the
-m64nNk16 accumulator layout) is checked against a kernel proven on the H200: bench/streamk_gemm.cu,
+m64nNk16 accumulator layout) is checked against a kernel proven on the H200: bench/probes/streamk_gemm.cu,
 the stream-K GEMM whose outputs matched cuBLAS there (bench/NOTES_CUDA.md). Run on the host, it
 must give x . w^T too, with split tiles summed across CTAs. Kernels built on vt/kernels/wgmma.cu
 can then be checked on the host with some trust that what passes here runs the same on Hopper.
@@ -19,7 +19,7 @@ import pytest
 
 from tests.cuda_sim import SIM_WRAPPERS, SimUnavailable, compile_host, host_source
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "probes"
 
 
 def _probe():

@@ -3,7 +3,7 @@
 by warpgroup-sized row block and by 8-dim column block (S or softmax errors spread over every
 column; a P V error shows in some column blocks only; a pipeline error grows with the key tile).
 
-    python3 bench/attn_debug.py --tiling wg [--tiling wgp ...]
+    python3 -m bench.kernels.attn_debug --tiling wg [--tiling wgp ...]
 
 The same cases run on the host simulator with `python3 -m pytest tests/unit/test_cuda_sim_attention.py`.
 """

@@ -1,7 +1,7 @@
-"""Decode-size projections: the stream-K wgmma probe (bench/streamk_gemm.cu, not used by vt)
+"""Decode-size projections: the stream-K wgmma probe (bench/probes/streamk_gemm.cu, not used by vt)
 against cuBLAS, same operands, same run.
 
-    python3 bench/gemm_decode.py [--preset 8b] [--rows 1,16,64,128] [--json out.json]
+    python3 -m bench.probes.gemm_decode [--preset 8b] [--rows 1,16,64,128] [--json out.json]
 
 Every shape is checked first: the kernel's output against an fp32 product of the same bf16
 operands (relative norm error, beside cuBLAS' own), with accumulation into a residual, with
@@ -19,8 +19,8 @@ import statistics
 
 import cupy
 import numpy as np
-from streamk_gemm import StreamKGemm
 
+from bench.probes.streamk_gemm import StreamKGemm
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
 

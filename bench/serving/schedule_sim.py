@@ -1,7 +1,7 @@
 """A closed-loop serving load run through vt's real Scheduler against a step-cost model: what a
 scheduling policy does to a row's throughput and TTFT, predicted on a machine without the GPU.
 
-    python3 bench/schedule_sim.py --rows 8000/64x32c8,1024/128x500c256 [--pacing] [--budget 2048]
+    python3 -m bench.serving.schedule_sim --rows 8000/64x32c8,1024/128x500c256 [--pacing] [--budget 2048]
 
 Each row is in/out tokens, prompts and concurrency, as vt bench runs it (every client sends its
 next request when its last one finishes; outputs run to their length). Steps run one at a time
@@ -9,7 +9,7 @@ next request when its last one finishes; outputs run to their length). Steps run
 
 The cost model (`StepCost`) is a step's device time from what the step carries: a fixed part,
 the decodes' attention (KV bytes read), the GEMMs (the weights' read time or the rows' compute,
-whichever is longer, over the rows padded to the captured piece sizes) and the prompt rows'
+whichever is longer, over the rows padded to the captured layer graph sizes) and the prompt rows'
 causal attention (FLOPs at a marginal rate). Its defaults are fitted to the 8B steps measured
 on an H100 (bench/RESULTS.md, the step traces of the target rows): a 2,048-token prompt step
 beside 6 decodes at 8k keys 65.7 ms, the same with 1,280 padded tokens 35-49 ms, a decode-only
@@ -24,15 +24,12 @@ import argparse
 import heapq
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from vt.runner.runner import LAYER_GRAPH_SIZES, padded_size  # noqa: E402
-from vt.sampling_params import SamplingParams  # noqa: E402
-from vt.sched.output import ScheduledBatch  # noqa: E402
-from vt.sched.request import Request, RequestStatus  # noqa: E402
-from vt.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from vt.runner.runner import LAYER_GRAPH_SIZES, padded_size
+from vt.sampling_params import SamplingParams
+from vt.sched.output import ScheduledBatch
+from vt.sched.request import Request, RequestStatus
+from vt.sched.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pacing", action="store_true", help="the scheduler's prefill pacing on")
     args = ap.parse_args(argv)
     cost = StepCost()
-    pieces = tuple(n for n in LAYER_GRAPH_SIZES if n <= args.budget)
+    graph_sizes = tuple(n for n in LAYER_GRAPH_SIZES if n <= args.budget)
     print("| row | pacing | seconds | out tok/s | mean TTFT ms | steps | decode-only |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for text in args.rows.split(","):
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for pacing in ((False, True) if args.pacing else (False,)):
             cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
                                   block_size=16, num_blocks=(i + o) * min(c, args.max_num_seqs) // 16 + 64,
-                                  prefill_pacing=pacing, step_sizes=pieces)
+                                  prefill_pacing=pacing, step_sizes=graph_sizes)
             r = run_row(i, o, n, c, cfg, cost)
             print(f"| {r.row} | {'on' if pacing else 'off'} | {r.seconds:.2f} | {r.out_tok_s:,.1f} | "
                   f"{r.mean_ttft_ms:,.0f} | {r.steps} | {r.decode_only_steps} |")

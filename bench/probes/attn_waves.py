@@ -1,6 +1,6 @@
 """Decode attention's fixed cost per launch against a copy of the same bytes.
 
-    python3 bench/attn_waves.py
+    python3 -m bench.probes.attn_waves
 
 Times the 8-row decode attention (8 kv heads, head dim 128, group 4) at 1, 2 and 4 full waves
 of blocks (B = 33, 66, 132 on 132 SMs at two blocks an SM) and contexts of 256-2048 keys, and
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import cupy
 import numpy as np
-from kernel_bench import act, time_op
 
+from bench.kernels.kernel_bench import act, time_op
 from vt.kernels.cuda_ops import CudaBackend
 
 

@@ -1,6 +1,6 @@
 """A probe, not used by vt: the stream-K decode GEMM of streamk_gemm.cu (source generation,
 compilation for sm_90a, launch with a fixed workspace, so launches can be captured).
-bench/gemm_decode.py times it against cuBLAS.
+bench/probes/gemm_decode.py times it against cuBLAS.
 
 The kernel needs Hopper's wgmma, which NVRTC only emits for the arch-specific target sm_90a;
 CuPy's RawModule always adds its own -arch for the device's generic target, so this module

@@ -6,7 +6,7 @@ Shapes are Qwen3-8B's and Qwen3-0.6B's attention (head dim 128, 8 kv heads, 32 o
 one prompt alone (2k, 8k), a 2048-token chunk at the end of an 8k and of a 32k context (chunked
 prefill), and four 1k prompts in one step. Each launch is timed as kernel_bench times ops (graph replays).
 
-    python3 bench/attn_tilings.py [--json out.json] [--best FILE] [--tiling wgv --tiling wgr ...]
+    python3 -m bench.kernels.attn_tilings [--json out.json] [--best FILE] [--tiling wgv --tiling wgr ...]
 
 --tiling (repeatable) times only those tilings (and always the fallback, the baseline).
 
@@ -50,7 +50,8 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
     """One attention launch of sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a
     paged cache whose blocks are shuffled, with random bf16 q, K and V and 8 kv heads."""
     import cupy
-    from kernel_bench import act  # bench/ is this script's sys.path[0]
+
+    from bench.kernels.kernel_bench import act
 
     hk = 8
     blocks = [-(-c // BS) for c in ctx_lens]
@@ -74,7 +75,8 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
 def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
              ctx_lens: list[int], tilings: list[str] | None = None) -> list[dict]:
     import cupy
-    from kernel_bench import time_op
+
+    from bench.kernels.kernel_bench import time_op
 
     call = paged_attention_call(be, rng, hq, q_lens, ctx_lens)
     flops = causal_flops(q_lens, ctx_lens, hq)

@@ -1,6 +1,6 @@
 """A projection's weight row-major against column-major, from decode sizes to prefill chunks.
 
-    python3 bench/gemm_layout.py [--preset 8b] [--rows 64,256,2048,8192] [--shapes gate_up,qkv]
+    python3 -m bench.probes.gemm_layout [--preset 8b] [--rows 64,256,2048,8192] [--shapes gate_up,qkv]
 
 `gemm_layout` stores a wide weight (gate_up) column-major because cuBLAS streamed it a few
 percent faster at decode sizes; a prefill chunk is compute-bound and may prefer the other
@@ -15,8 +15,8 @@ import json
 
 import cupy
 import numpy as np
-from gemm_decode import SHAPES, rand_bf16, rotating_weights, time_calls
 
+from bench.probes.gemm_decode import SHAPES, rand_bf16, rotating_weights, time_calls
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 
 CALLS = 36

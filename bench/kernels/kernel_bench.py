@@ -4,7 +4,7 @@ Each op runs N times inside one captured CUDA graph (outputs reuse one arena reg
 gaps stay out of the numbers; the median over several replays is reported. Floor = the bytes the
 op must read and write once, over the measured device-to-device copy bandwidth.
 
-    python3 bench/kernel_bench.py [--batch 64] [--json out.json]
+    python3 -m bench.kernels.kernel_bench [--batch 64] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The same random checkpoint and workload through Hugging Face transformers on the same GPU.
 
-    python3 bench/peer_transformers.py --model /tmp/q06 --batch 128 --input-len 128 --output-len 64
+    python3 -m bench.serving.peer_transformers --model /tmp/q06 --batch 128 --input-len 128 --output-len 64
 
 `batch` prompts of exact length, greedy, exactly `output-len` new tokens each (EOS ignored), bf16 on
 CUDA, in one or both of transformers' paths:

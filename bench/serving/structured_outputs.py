@@ -1,8 +1,8 @@
 """Structured outputs under load: output throughput when 0%, 25% and 100% of requests carry a JSON
 schema, async scheduling on and off, against freshly started `vt serve` processes.
 
-    python3 bench/structured_outputs.py --model /tmp/tiny --device cpu
-    python3 bench/structured_outputs.py --model /tmp/q06 --device cuda --num-prompts 512 \\
+    python3 -m bench.serving.structured_outputs --model /tmp/tiny --device cpu
+    python3 -m bench.serving.structured_outputs --model /tmp/q06 --device cuda --num-prompts 512 \\
         --max-concurrency 128 --output-len 256 --out /tmp/structured
 
 Requests are `vt bench`'s streamed completions (random prompts of exact token lengths, seeded at
@@ -25,9 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vt.bench.run import (  # noqa: E402
+from vt.bench.run import (
     BenchConfig,
     ConnectionPool,
     Endpoint,
@@ -40,7 +38,7 @@ from vt.bench.run import (  # noqa: E402
     read_metrics,
     stream_completion,
 )
-from vt.bench.stats import RequestRecord, gpu_stats, summarize  # noqa: E402
+from vt.bench.stats import RequestRecord, gpu_stats, summarize
 
 RECORD = {
     "type": "object",
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs of each row (the table gives medians)")
     p.add_argument("--server-args", default="", help="more vt serve flags, e.g. '--max-model-len 2048'")
     p.add_argument("--emulate-step-ms", type=float, default=None,
-                   help="serve on bench/emulated_device.py: the CPU build with a device step of this "
+                   help="serve on bench/serving/emulated_device.py: the CPU build with a device step of this "
                         "many ms that does no arithmetic (the host's share alone; --device cpu)")
     p.add_argument("--emulate-token-us", type=float, default=0.0,
                    help="with --emulate-step-ms: device time added per token of a step")
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
              *shlex.split(args.server_args))
     launcher: tuple[str, ...] = ()
     if args.emulate_step_ms is not None:
-        launcher = (sys.executable, str(Path(__file__).resolve().parent / "emulated_device.py"),
+        launcher = (sys.executable, "-m", "bench.serving.emulated_device",
                     "--step-ms", str(args.emulate_step_ms), "--token-us", str(args.emulate_token_us))
     runs = []
     shares = [int(x) for x in args.shares.split(",")]

@@ -1,23 +1,19 @@
 """One prompt-attention launch of a chosen tiling, a few times, for a profiler to attach to:
 
     ncu --kernel-name regex:attention_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-        python3 bench/attn_ncu.py --tiling wgv --prompt 8192
+        python3 -m bench.kernels.attn_ncu --tiling wgv --prompt 8192
 
 Qwen3-8B's attention heads (32 q, 8 kv, head dim 128), one causal prompt over a paged cache with
-shuffled blocks, built as bench/attn_tilings.py builds its cases. Prints the mean time of the eager calls.
+shuffled blocks, built as bench/kernels/attn_tilings.py builds its cases. Prints the mean time of
+the eager calls.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -27,8 +23,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
     import cupy
-    from attn_tilings import causal_flops, paged_attention_call
 
+    from bench.kernels.attn_tilings import causal_flops, paged_attention_call
     from vt.kernels.cuda_ops import CudaBackend
 
     be = CudaBackend(workspace_bytes=1 << 30)

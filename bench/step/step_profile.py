@@ -1,8 +1,8 @@
 """Where a decode step's device time goes: every kernel of graph-replayed steps, from a CUPTI trace.
 
-    python3 bench/step_profile.py --preset 8b --batch 64 --context 512 [--trace out.json]
+    python3 -m bench.step.step_profile --preset 8b --batch 64 --context 512 [--trace out.json]
 
-The runner is bench/decode_step.py's (random weights, the real staging, graphs and sampling).
+The runner is bench/step/decode_step.py's (random weights, the real staging, graphs and sampling).
 Steps run at depth 1 so that each step's kernels form one window; the report groups kernels by
 name and gives, per step, the device busy time, the gaps between consecutive kernels and the
 wall time. torch's profiler is only the CUPTI reader here (it records every kernel of the
@@ -14,14 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decode_step import build_runner, decode_batches, floor_seconds  # noqa: E402
+from bench.step.decode_step import build_runner, decode_batches, floor_seconds
 
 
 def kernel_events(trace: dict) -> list[dict]:

@@ -1,14 +1,15 @@
 """Can a step's prompt rows and its decode rows run side by side, on two streams, in less time
 than the one mixed step that carries both?
 
-    python3 bench/overlap_probe.py --preset 8b --decodes 227 --context 1088 --prompt 1820 --sms 0,16,32,48
+    python3 -m bench.probes.overlap_probe --preset 8b --decodes 227 --context 1088 --prompt 1820 \\
+        --sms 0,16,32,48
 
 The mixed steps of the 8B 1024/128 row are GEMMs at the matrix rate (compute) plus the decodes'
 attention at copy bandwidth (memory), one after the other. If the decodes ran as a step of their
 own on one stream while the prompt rows ran as another on a second stream, each with cuBLAS held
 to part of the SMs (`cublasSetSmCountTarget`: the prompt step's GEMMs to all but k SMs, the
 decode step's to k), the memory-bound work could hide under the compute-bound work. This times,
-on random weights (bench/decode_step.py's runner with its graphs, as `vt serve` runs; a step
+on random weights (bench/step/decode_step.py's runner with its graphs, as `vt serve` runs; a step
 whose GEMMs are held to part of the SMs runs eager, so that every GEMM is held):
 
 - mixed: one step with the decodes and the prompt chunk (how vt runs them today);
@@ -27,14 +28,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decode_step import STEPS_MAX, blocks_per_seq, build_runner  # noqa: E402
+from bench.step.decode_step import STEPS_MAX, blocks_per_seq, build_runner
 
 
 def batches(decodes: int, context: int, prompt: int):

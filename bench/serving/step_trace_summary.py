@@ -1,6 +1,6 @@
 """Where a serving run's device time went, from `vt serve --step-trace FILE`:
 
-    python3 bench/step_trace_summary.py FILE [FILE ...]
+    python3 -m bench.serving.step_trace_summary FILE [FILE ...]
 
 Steps are grouped by what they computed: decode-only steps, and steps with prompt tokens by how
 full of the token budget they were. For each group: steps, device seconds and share, mean step

@@ -1,6 +1,6 @@
 """Decode-size projections: every cuBLASLt algorithm configuration against gemmEx's default pick.
 
-    python3 bench/lt_search.py [--preset 8b] [--rows 64,128] [--shapes qkv,down] [--json out.json]
+    python3 -m bench.probes.lt_search [--preset 8b] [--rows 64,128] [--shapes qkv,down] [--json out.json]
 
 cuBLAS' default (and cuBLASLt's heuristic top few, which an earlier probe timed) run the 8B
 decode GEMMs at 1.3-1.75x their weight floor. This probe enumerates the configuration space
@@ -23,8 +23,15 @@ import time
 
 import cupy
 import numpy as np
-from gemm_decode import HBM_BYTES_PER_S, SHAPES, from_bf16, rand_bf16, rotating_weights, time_calls
 
+from bench.probes.gemm_decode import (
+    HBM_BYTES_PER_S,
+    SHAPES,
+    from_bf16,
+    rand_bf16,
+    rotating_weights,
+    time_calls,
+)
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
 from vt.kernels.cuda_ops import _COLUMN_MAJOR_MIN_ASPECT
 

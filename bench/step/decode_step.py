@@ -1,11 +1,11 @@
 """Decode-step time of the real runner path (staging, graphs, sampling) against the HBM floor.
 
-    python3 bench/decode_step.py --preset 0.6b --batches 1,32,128,256 --context 512
-    python3 bench/decode_step.py --preset 0.6b --batches 64,256 --prefill 128   # mixed steps
+    python3 -m bench.step.decode_step --preset 0.6b --batches 1,32,128,256 --context 512
+    python3 -m bench.step.decode_step --preset 0.6b --batches 64,256 --prefill 128   # mixed steps
 
 With --prefill P every timed step also admits a new request and computes its P-token prompt
 beside the decodes (the previous one is released), as a serving step with arrivals does; such
-steps run as piecewise graphs ("graph" mode) or eagerly ("eager").
+steps run as per-layer graphs ("graph" mode) or eagerly ("eager").
 
 Weights are random bf16 drawn from one pool (timing does not depend on values), so no checkpoint
 is written. The floor is (weight bytes + KV bytes read) / bandwidth (4.25 TB/s measured copy rate).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -35,7 +34,6 @@ PRESETS = {
 BANDWIDTH = 4.25e12
 MATMUL_RATE = 790e12  # bf16 GEMM rate measured on the H200 (8192^3, random data)
 STEPS_MAX = 200
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
 def write_config(folder: Path, preset: str) -> None:
@@ -197,7 +195,7 @@ def main() -> None:
         runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device,
                                   args.prefill)
         print(f"{mode}: runner built in {time.perf_counter() - t_build:.1f} s "
-              f"({len(runner.graphs)} decode graphs, {len(runner.pieces)} piecewise sets)", flush=True)
+              f"({len(runner.graphs)} decode graphs, {len(runner.pieces)} per-layer graph sets)", flush=True)
         for b in batches:
             floor = floor_seconds(mc, b, args.context)
             roof = roofline_seconds(mc, b, args.context)

@@ -1,7 +1,7 @@
 """The serving matrix: every workload shape at every concurrency against one `vt serve`, one table.
 
-    python3 bench/serving_matrix.py --model /tmp/q8 --label 8b --out /tmp/matrix8
-    python3 bench/serving_matrix.py --model /tmp/q06 --rows targets   # the peer's target rows only
+    python3 -m bench.serving.serving_matrix --model /tmp/q8 --label 8b --out /tmp/matrix8
+    python3 -m bench.serving.serving_matrix --model /tmp/q06 --rows targets   # the peer's target rows only
 
 Rows: in/out lengths 128/128, 1024/128, 128/1024, 2048/2048, 8000/64 and a mixed load (1024/256,
 lengths spread +-90% as `vt bench --random-range-ratio 0.9`), each at concurrency 1, 16, 64 and
@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vt.bench.run import BenchConfig, BenchError, ServerProcess, bench_endpoint, pool_from_tokenizer  # noqa: E402
+from vt.bench.run import BenchConfig, BenchError, ServerProcess, bench_endpoint, pool_from_tokenizer
 
 SHAPES = ((128, 128, 0.0), (1024, 128, 0.0), (128, 1024, 0.0), (2048, 2048, 0.0), (8000, 64, 0.0),
           (1024, 256, 0.9))

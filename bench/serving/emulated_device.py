@@ -1,8 +1,8 @@
 """`vt` with the device step replaced by a timed stand-in: the host's share of serving, measured
 against a device of a given speed, on a machine without that device.
 
-    python3 bench/emulated_device.py --step-ms 3.4 --token-us 2 serve --model DIR --device cpu ...
-    python3 bench/emulated_device.py --cost-model serve --model DIR --device cpu ...
+    python3 -m bench.serving.emulated_device --step-ms 3.4 --token-us 2 serve --model DIR --device cpu ...
+    python3 -m bench.serving.emulated_device --cost-model serve --model DIR --device cpu ...
 
 Everything after the emulation's own flags is `vt`'s command line. The server is the CPU build
 of vt (numpy backend, one step worker) in which a step's device part does no arithmetic: it
@@ -26,12 +26,9 @@ import collections
 import concurrent.futures
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 FREE_IDS = 900  # free rows sample ids 5..904: below any vocabulary vt builds, above the specials
 
@@ -101,16 +98,15 @@ class LaunchingExecutor:
 
 def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
     """Replace ModelRunner's device part with the timed stand-in (for this process). With
-    cost_model, a step takes what bench/schedule_sim.py's StepCost prices its batch at (the 8B
-    steps of an H100, padded to the piece sizes as CUDA graphs pad them) instead."""
+    cost_model, a step takes what bench/serving/schedule_sim.py's StepCost prices its batch at (the
+    8B steps of an H100, padded to the layer graph sizes as CUDA graphs pad them) instead."""
     from vt.runner import runner
 
     init = runner.ModelRunner.__init__
     execute = runner.ModelRunner.execute
     cost = None
     if cost_model:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from schedule_sim import StepCost
+        from bench.serving.schedule_sim import StepCost
 
         cost = StepCost()
 
@@ -151,7 +147,7 @@ def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
 
     runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner.execute = priced
-    if cost is not None:  # the model pads steps as CUDA's piece graphs do: say so to the scheduler
+    if cost is not None:  # the model pads steps as CUDA's layer graphs do: say so to the scheduler
         runner.ModelRunner.padded_step_sizes = property(lambda rn: rn.layer_graph_sizes)
     runner.ModelRunner._device_step = device_step
     runner.ModelRunner._resume_sample = resume_sample
@@ -162,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=None, help="device time of every step")
     ap.add_argument("--token-us", type=float, default=0.0, help="device time added per token of a step")
     ap.add_argument("--cost-model", action="store_true",
-                    help="price each step by bench/schedule_sim.py's StepCost (8B on an H100) instead")
+                    help="price each step by bench/serving/schedule_sim.py's StepCost (8B on an H100) "
+                         "instead")
     args, rest = ap.parse_known_args(argv)
     if (args.step_ms is None) == (not args.cost_model):
         ap.error("give either --step-ms or --cost-model")

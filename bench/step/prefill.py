@@ -1,7 +1,7 @@
 """Prefill throughput of the real runner step against the bf16 matrix ceiling.
 
-    python3 bench/prefill.py --preset 8b --prompt-lens 1024,8192 --tokens 8192
-    python3 bench/prefill.py --preset 8b --prompt-lens 8192,32768 --chunks 2048,8192
+    python3 -m bench.step.prefill --preset 8b --prompt-lens 1024,8192 --tokens 8192
+    python3 -m bench.step.prefill --preset 8b --prompt-lens 8192,32768 --chunks 2048,8192
 
 Each row is one step that prefills `tokens // prompt_len` whole prompts from position 0: the
 paged KV cache is written, attention is causal over each prompt, logits and a greedy sample are
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from decode_step import PRESETS, random_runner  # also puts the checkout on sys.path
 
 import vt.runner.runner as runner_mod
+from bench.step.decode_step import PRESETS, random_runner
 from vt.config import ModelConfig
 from vt.sampling_params import SamplingParams
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq

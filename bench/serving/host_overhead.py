@@ -1,6 +1,6 @@
 """Host CPU a generated token costs the server, with the device step taken away.
 
-    python3 bench/host_overhead.py --concurrency 256 --num-prompts 1024 --output-len 128
+    python3 -m bench.serving.host_overhead --concurrency 256 --num-prompts 1024 --output-len 128
 
 The server is `vt serve` on the built-in demo model (CPU backend) whose device step only writes
 token ids into the step's pinned output buffer, so what remains is the work of the event loop's
@@ -27,8 +27,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout
+REPO = Path(__file__).resolve().parents[2]  # the server child imports this checkout's vt and bench
 PHASES = (("vt.sched.scheduler", "Scheduler", "schedule"), ("vt.runner.runner", "ModelRunner", "execute"),
           ("vt.runner.runner", "ModelRunner", "_collect"), ("vt.engine.engine", "AsyncEngine", "_process"))
 
@@ -94,9 +93,9 @@ def run_once(args: argparse.Namespace) -> dict[str, float]:
         out = Path(tmp) / "bench.json"
         path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, PYTHONPATH=path)
-        server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--max-num-seqs",
-                                   str(args.max_num_seqs), "--phases", str(phases)], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-m", "bench.serving.host_overhead", "--serve", str(port),
+                                   "--max-num-seqs", str(args.max_num_seqs), "--phases", str(phases)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120
             while True:

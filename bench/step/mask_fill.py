@@ -2,9 +2,9 @@
 vocabulary, guides dealt to per-thread template shards (as served) against every guide copied
 from one template (as before sharding).
 
-    python3 bench/mask_fill.py --rows 32,128 --threads 1,2,4
+    python3 -m bench.step.mask_fill --rows 32,128 --threads 1,2,4
 
-Each guide follows bench/structured_outputs.py's JSON schema; a step fills every row's mask, then
+Each guide follows bench/serving/structured_outputs.py's JSON schema; a step fills every row's mask, then
 each guide takes a random allowed token, so rows drift apart as in serving. The figure is the
 mean over --steps steps of the wall time of one fill (and the process CPU time beside it: CPU
 above wall means the threads ran at once). The tokenizer is grown to the vocabulary as random
@@ -19,9 +19,9 @@ import resource
 import time
 
 import numpy as np
-from structured_outputs import SCHEMA  # also puts the checkout on sys.path
 
 import vt.structured.compiler as compiler_module
+from bench.serving.structured_outputs import SCHEMA
 from vt.model.make_model import grow_tokenizer, train_tokenizer
 from vt.structured.compiler import GrammarCompiler
 from vt.structured.spec import GrammarSpec, StructuredOutput
