@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from vt.bench.run import BenchConfig, BenchError, ServerProcess, bench_endpoint, pool_from_tokenizer
+from vt.bench.client import BenchError
+from vt.bench.run import BenchConfig, ServerProcess, bench_endpoint, pool_from_tokenizer
 
 SHAPES = ((128, 128, 0.0), (1024, 128, 0.0), (128, 1024, 0.0), (2048, 2048, 0.0), (8000, 64, 0.0),
           (1024, 256, 0.9))

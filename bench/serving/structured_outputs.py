@@ -25,18 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from vt.bench.client import ConnectionPool, Endpoint, read_metrics, stream_completion
 from vt.bench.run import (
     BenchConfig,
-    ConnectionPool,
-    Endpoint,
     ServerProcess,
     _payload,
     _run_async,
     _server_info,
     make_prompts,
     pool_from_server,
-    read_metrics,
-    stream_completion,
 )
 from vt.bench.stats import RequestRecord, gpu_stats, summarize
 

@@ -128,7 +128,7 @@ def test_bench_client_reuses_keep_alive_connections(vt_server) -> None:
     is read whole before its connection is reused."""
     import asyncio
 
-    from vt.bench.run import ConnectionPool, Endpoint, http_json, stream_completion
+    from vt.bench.client import ConnectionPool, Endpoint, http_json, stream_completion
     from vt.bench.stats import RequestRecord
 
     async def run() -> tuple[list[RequestRecord], int]:

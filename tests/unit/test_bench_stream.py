@@ -6,7 +6,7 @@ import asyncio
 
 import orjson
 
-from vt.bench.run import Endpoint, stream_completion
+from vt.bench.client import Endpoint, stream_completion
 from vt.bench.stats import RequestRecord
 
 
