@@ -30,6 +30,12 @@ import numpy as np
 
 Array = Any  # numpy.ndarray on the numpy backend, cupy.ndarray on CUDA
 
+# Steps a backend holds at once, each in its own slot (on CUDA: a stream, an arena and events):
+# two in flight (depth 2), and a third for a masked step, whose guided rows wait for their
+# grammar masks while the next step runs; it keeps its slot until its second sampler pass is
+# collected.
+NUM_SLOTS = 3
+
 
 class Backend(Protocol):
     name: str  # "numpy" | "cuda"
@@ -191,8 +197,8 @@ class Backend(Protocol):
 
     # ---- async plumbing (the runner's view of streams, arenas and graphs) ------------------
     def num_slots(self) -> int:
-        """How many steps may be held at once: 3 (one stream, arena and event set each): two in
-        flight and one whose second sampler pass waits for its masks."""
+        """How many steps may be held at once: NUM_SLOTS (one stream, arena and event set each):
+        two in flight and one masked step, whose second sampler pass waits for its masks."""
 
     def slot(self, i: int) -> Any:
         """Context manager: while open, ops run on slot i's stream and take outputs from slot i's

@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 
 from vt.kernels.arena import ITEM_BYTES, ArenaLedger
-from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
+from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
+from vt.kernels.numpy_fp8 import NumpyFp8Ops
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
-# Two steps in flight, and a third slot for a step whose guided rows' second sampler pass
-# still waits for its masks (the runner's late steps) while the next steps run.
-_NUM_SLOTS = 3
 
 
 def _np_dtype(dtype: str) -> type:
@@ -46,11 +44,11 @@ class _Replay:
         return self._fn()
 
 
-class NumpyBackend:
+class NumpyBackend(NumpyFp8Ops):
     name = "numpy"
 
     def __init__(self) -> None:
-        self._ledgers = [ArenaLedger(None) for _ in range(_NUM_SLOTS)]
+        self._ledgers = [ArenaLedger(None) for _ in range(NUM_SLOTS)]
         self._tls = threading.local()  # the ledger of the slot open on this thread
 
     def _ledger(self) -> ArenaLedger | None:
@@ -276,7 +274,7 @@ class NumpyBackend:
     # ---- async plumbing: numpy runs ops eagerly, so streams and events are trivial ----------
     def ensure_workspace(self, nbytes: int, partials_bytes: int | None = None) -> None:
         """Every op allocates on numpy; the slots' ledgers hold it to nbytes at CUDA sizes."""
-        self._ledgers = [ArenaLedger(int(nbytes)) for _ in range(_NUM_SLOTS)]
+        self._ledgers = [ArenaLedger(int(nbytes)) for _ in range(NUM_SLOTS)]
 
     def scratch(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         self._took(tuple(shape), dtype)
@@ -305,11 +303,11 @@ class NumpyBackend:
         return self._ledgers[i].high
 
     def num_slots(self) -> int:
-        return _NUM_SLOTS
+        return NUM_SLOTS
 
     def _check_slot(self, i: int) -> None:
-        if not 0 <= i < _NUM_SLOTS:
-            raise ValueError(f"slot {i} out of range 0..{_NUM_SLOTS - 1}")
+        if not 0 <= i < NUM_SLOTS:
+            raise ValueError(f"slot {i} out of range 0..{NUM_SLOTS - 1}")
 
     def slot(self, i: int) -> contextlib.AbstractContextManager[None]:
         self._check_slot(i)  # at the call, as CUDA does, not only on entry

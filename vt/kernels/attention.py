@@ -1,0 +1,204 @@
+"""Launchers of the attention kernels (attention.cu on CUDA cores, attention_tc.cu on tensor cores,
+attention_wg.cu on Hopper's wgmma) and the prompt tiling they run on. Which kernel a batch runs
+and how its keys split is attention_plan.py's (no CuPy there, so it is tested anywhere)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import cupy
+import numpy as np
+
+from vt.kernels.arena import aligned
+from vt.kernels.attention_plan import (
+    DEFAULT_PREFILL_TILING,
+    FALLBACK_PREFILL_TILING,
+    MAX_KEY_SPLITS,
+    PREFILL_TILINGS,
+    TC_HEAD_DIMS,
+    attention_kernel,
+    attention_partial_bytes,
+    key_splits,
+    max_splits_within,
+)
+from vt.kernels.cuda_core import CudaCore, compile_cubin, token_stride
+from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
+
+_TC_KERNELS = (
+    *(f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("decode", "decode8")),
+    *(k for t in PREFILL_TILINGS.values() if not t.sm90_only for k in t.kernels()),
+)
+# The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
+KERNELS = {
+    "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
+    "attention_tc.cu": _TC_KERNELS,
+}
+_LARGE_SMEM_KERNELS = ("attention_r1", "attention_r2", "attention_r4", *_TC_KERNELS)
+_ATTN_SMEM_MAX = 200 * 1024
+_SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
+_LOG2E = 1.4426950408889634
+_i32 = np.int32
+_f32 = np.float32
+
+
+def requested_prefill_tiling(name: str | None) -> str | None:
+    """The tiling asked for by argument or, for benchmarks that start vt as a server, by
+    VT_PREFILL_TILING; ValueError for one that does not exist."""
+    requested = name or os.environ.get("VT_PREFILL_TILING")
+    if requested and requested not in PREFILL_TILINGS:
+        raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {requested!r} is not one of "
+                         f"{sorted(PREFILL_TILINGS)}")
+    return requested
+
+
+class AttentionOps(CudaCore):
+    def _init_attention(self, requested_tiling: str | None) -> None:
+        """Opt the kernels into their shared memory, pick the prompt tiling (the requested one,
+        strictly, or the default where it builds) and ask the model's kernels' occupancy up front."""
+        for n in _LARGE_SMEM_KERNELS:
+            fn = self._kernels[n]
+            getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
+        self._arch_modules: list[Any] = []
+        self.prefill_tiling = FALLBACK_PREFILL_TILING
+        self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
+        self._occupancy: dict[tuple[str, int, int], int] = {}
+        for d in TC_HEAD_DIMS:  # the model's kernels, asked up front; any other on first use
+            for q_len in (1, 16, 64):
+                k = attention_kernel(1, q_len, d, prefill=self.prefill_tiling)
+                self._resident_blocks(k.name, k.smem, k.threads)
+
+    def use_prefill_tiling(self, name: str, strict: bool = True) -> None:
+        """Prompt attention runs on tiling `name` from now on. A tiling of sm_90a kernels has
+        them built on first use; where that fails (another GPU, or NVRTC refuses), a strict
+        call raises and otherwise the fallback tiling stays."""
+        if name not in PREFILL_TILINGS:
+            raise ValueError(f"prefill tiling {name!r} is not one of {sorted(PREFILL_TILINGS)}")
+        t = PREFILL_TILINGS[name]
+        if t.sm90_only and not all(k in self._kernels for k in t.kernels()):
+            why = self._compile_sm90a()
+            if why:
+                if strict:
+                    raise ValueError(f"prefill tiling (VT_PREFILL_TILING) {name!r} is not available: {why}")
+                name = FALLBACK_PREFILL_TILING
+        self.prefill_tiling = name
+
+    def _compile_sm90a(self) -> str:
+        """Build the kernel files that need sm_90a (wgmma) into self._kernels; '' or why not.
+        CuPy's RawModule always adds the device's generic -arch, so these go through NVRTC
+        directly and load as a cubin."""
+        from cupy_backends.cuda.api import driver
+
+        cc = cupy.cuda.Device().compute_capability
+        if cc != "90":
+            return f"its kernels need an sm_90 GPU (this one is sm_{cc})"
+        fns: dict[str, Any] = {}
+        for fname in ARCH_KERNEL_FILES:
+            try:
+                cubin = compile_cubin(translation_unit(fname), fname)
+            except RuntimeError as exc:
+                head, _, log = str(exc).partition("\n")
+                return f"{head}\n{log[-2000:]}"
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            self._arch_modules.append(module)  # functions live as long as their module
+            smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for k in t.kernels()):
+                fn = module.get_function(name)
+                driver.funcSetAttribute(fn.ptr, smem_attr, _SM90_SMEM_MAX)
+                fns[name] = fn
+        self._kernels.update(fns)
+        return ""
+
+    def _resident_blocks(self, kernel: str, smem: int, threads: int = 128) -> int:
+        """How many blocks of `kernel` the whole chip runs at once (cached)."""
+        key = (kernel, smem, threads)
+        if key not in self._occupancy:
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self._function(kernel).ptr,
+                                                                                 threads, smem)
+            self._occupancy[key] = max(1, per_sm) * self._num_sms
+        return self._occupancy[key]
+
+    def attention(
+        self,
+        q: cupy.ndarray,
+        k_cache: cupy.ndarray,
+        v_cache: cupy.ndarray,
+        query_start_loc: cupy.ndarray,
+        seq_lens: cupy.ndarray,
+        block_tables: cupy.ndarray,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+        out: cupy.ndarray | None = None,
+        decode_seqs: int = 0,
+        follows_kv_write: bool = False,
+    ) -> cupy.ndarray:
+        """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
+        the real values (capture with the largest ones the graph will serve). out, if given, is
+        a contiguous act[T, Hq, D] the result goes into. follows_kv_write: the kernel launched
+        right before on this stream wrote only q and this step's K/V (qk_norm_rope_write_kv):
+        the tensor-core kernels then start while it runs, on the block tables and older keys."""
+        qst = token_stride(q, "attention q")
+        t, hq, d = q.shape
+        nb, bs, hk, dc = k_cache.shape
+        if dc != d or hq % hk or d % 8 or d > 256:
+            raise ValueError(
+                f"attention: q {q.shape} vs cache {k_cache.shape} (head dim multiple of 8, <= 256)"
+            )
+        if not block_tables.flags.c_contiguous or block_tables.ndim != 2:
+            raise ValueError("attention: block_tables must be a C-contiguous i32[B, max_blocks]")
+        if out is None:
+            out = self._out((t, hq, d), np.uint16)
+        elif out.shape != (t, hq, d) or out.dtype != np.uint16 or not out.flags.c_contiguous:
+            raise ValueError(f"attention: out must be a contiguous act{[t, hq, d]}, got {out.shape}")
+        b = seq_lens.shape[0]
+        if t == 0 or b == 0 or max_query_len <= 0:
+            return out
+        if 0 < decode_seqs < b and max_query_len > 1:
+            # One launch would put the decodes on prefill tiles too (4 live rows of 64 at GQA
+            # group 4), so they get the decode tiles and the rest a launch of its own.
+            # The decodes' rows are the step's first d_ tokens: their launch sizes its split
+            # partials by those rows alone.
+            d_ = decode_seqs
+            self.attention(q[:d_], k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_],
+                           block_tables[:d_], scale, 1, max_seq_len, out[:d_],
+                           follows_kv_write=follows_kv_write)
+            return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
+                                  scale, max_query_len, max_seq_len, out)
+        plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling)
+        kernel, tensor_cores, row_tiles, smem, threads = plan
+        splits, part_o, part_ml = self._key_split_partials(kernel, smem, threads, row_tiles * hk * b,
+                                                           max_seq_len, t, hq, d)
+        scale_log2 = _f32(scale * _LOG2E)
+        common = (q, _i32(qst), k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                  _i32(block_tables.shape[1]), out, part_o, part_ml, _i32(t), _i32(hq), _i32(hk))
+        tail = (_i32(bs), scale_log2, _i32(splits))
+        args = common + tail if tensor_cores else common + (_i32(d),) + tail
+        launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
+        launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
+        if splits > 1:
+            self._launch(
+                "attention_combine_k",
+                (t * hq,),
+                (64,),
+                (part_o, part_ml, query_start_loc, _i32(b), out, _i32(t), _i32(hq), _i32(d), _i32(splits)),
+            )
+        return out
+
+    def _key_split_partials(self, kernel: str, smem: int, threads: int, blocks: int, max_seq_len: int,
+                            t: int, hq: int, d: int) -> tuple[int, Any, Any]:
+        """Key splits of a launch of `blocks` blocks per split, and its partials (o, (m, l)) in
+        the slot's kernel scratch, or 0, 0 with one split."""
+        part_buf = None if (s := self._slot_ctx()) is None else s.partials
+        cap = max_splits_within(part_buf.nbytes, t, hq, d) if part_buf is not None else MAX_KEY_SPLITS
+        resident = self._resident_blocks(kernel, smem, threads)
+        splits = key_splits(blocks, resident, max_seq_len, cap)
+        if splits <= 1:
+            return splits, 0, 0
+        if part_buf is None:  # outside a step (tests, setup): from the pool
+            part_buf = cupy.empty((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
+        o_bytes = aligned(splits * t * hq * d * 4)
+        part_o = cupy.ndarray((splits, t, hq, d), np.float32, memptr=part_buf.data)
+        part_ml = cupy.ndarray((splits, t, hq, 2), np.float32, memptr=part_buf.data + o_bytes)
+        return splits, part_o, part_ml
