@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from vt.config import EngineConfig
-from vt.engine import engine as engine_mod
+from vt.engine import failures as failures_mod
 from vt.engine.engine import AsyncEngine
 from vt.engine.probe import ProbeUnavailable
 from vt.http.openai_api import OpenAIApp
@@ -303,7 +303,7 @@ async def test_unexplained_failures_count_until_a_step_runs(app: OpenAIApp, monk
     async def unavailable(runner: Any, pool: Any) -> BaseException:
         return ProbeUnavailable("no free KV block to run a probe step on")
 
-    monkeypatch.setattr(engine_mod, "run_probe", unavailable)
+    monkeypatch.setattr(failures_mod, "run_probe", unavailable)
     PoisonFault(app.engine.runner)
     poison = {"prompt": "poison", "max_tokens": 2, "seed": PoisonFault.MARK}
     for _ in range(4):

@@ -176,11 +176,11 @@ def test_deferred_masks_fill_off_the_event_loop(model_dir: Path, runs, monkeypat
     assert engine.runner.deferred_samples > 20
 
 
-def test_slow_masks_hold_only_their_own_requests(model_dir: Path, runs, monkeypatch) -> None:
+def test_slow_masks_sit_out_only_their_own_requests(model_dir: Path, runs, monkeypatch) -> None:
     """Masks slower than a step: the guided requests sit steps out while the next steps launch
     without waiting for them (the free rows sample in the first pass), a step waited for before
-    its masks are filled has its free rows processed first and, with a slot to spare, is left
-    late while the next step launches, and every token is still depth 1's."""
+    its masks are filled has its free rows processed first and, with a slot to spare, is kept
+    masked while the next step launches, and every token is still depth 1's."""
     fill = GrammarCompiler.fill_masks
 
     def slow(self, guides, out) -> None:
@@ -190,14 +190,16 @@ def test_slow_masks_hold_only_their_own_requests(model_dir: Path, runs, monkeypa
     monkeypatch.setattr(GrammarCompiler, "fill_masks", slow)
     results, engine = asyncio.run(_run(model_dir, async_scheduling=True, num_gpu_blocks=40, block_size=16))
     assert [t for t, _, _ in results] == [t for t, _, _ in runs["depth1"][0]]
-    assert engine.held_total > 20
-    assert runs["depth2"][1].held_total < engine.held_total
-    assert engine.early_first_passes > 5
-    assert engine.late_steps > 0  # steps launched while an earlier one's masks still filled
+    assert engine.guided_steps.sat_out_total > 20
+    assert runs["depth2"][1].guided_steps.sat_out_total < engine.guided_steps.sat_out_total
+    assert engine.guided_steps.early_first_passes > 5
+    # steps launched while an earlier one's masks still filled
+    assert engine.guided_steps.masked_steps_total > 0
 
 
-def test_a_late_steps_failed_masks_fail_only_its_guided_requests(model_dir: Path, runs, monkeypatch) -> None:
-    """Slow masks leave steps late; one fill fails: the guided requests of that step end with an
+def test_a_masked_steps_failed_masks_fail_only_its_guided_requests(model_dir: Path, runs,
+                                                                   monkeypatch) -> None:
+    """Slow masks leave steps masked; one fill fails: the guided requests of that step end with an
     error, every other request gets depth 1's tokens, and the engine goes on serving with every
     slot free at the end."""
     fill = GrammarCompiler.fill_masks
@@ -234,7 +236,7 @@ def test_a_late_steps_failed_masks_fail_only_its_guided_requests(model_dir: Path
         finally:
             slots_free = engine.runner.has_free_slot and None in engine.runner._owner
             await engine.stop()
-        assert len(after) == 4 and slots_free and engine.late_steps > 0
+        assert len(after) == 4 and slots_free and engine.guided_steps.masked_steps_total > 0
         return list(results), engine
 
     results, _ = asyncio.run(run())
