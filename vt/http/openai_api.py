@@ -14,17 +14,26 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
 from vt.engine.admission import AdmissionLimits, check_params, check_priority, fit_context
+from vt.engine.outputs import (
+    EngineDeadError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestOutput,
+    RequestStream,
+    TokenLogprob,
+)
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
 from vt.http.chat_output import ChatOutputPlan, chat_constraint
+from vt.http.engine_client import EngineClient
 from vt.http.errors import HttpError, error_body
 from vt.http.json_chunks import LazyList, json_chunks
 from vt.http.prompt_prep import PromptPreparer
@@ -55,6 +64,13 @@ LOGPROB_FLOOR = -9999.0
 DONE = b"data: [DONE]\n\n"
 INLINE_BODY_BYTES = 1 << 20  # larger answers go out chunked, built as they are written
 Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+
+
+class ResponseCounts(Protocol):
+    """The HTTP server as /metrics reads it."""
+
+    responses_total: dict[int, int]
 
 
 def _json(obj: Any, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -96,22 +112,17 @@ def _version() -> str:
     return __version__
 
 
-def _engine_error(e: Exception) -> HttpError | None:
-    """Map add_request's errors to HTTP errors.
-
-    Matched by class name along the MRO so this module need not import vt.engine.engine (and the model
-    runtime behind it) just to classify errors.
-    """
-    names = {cls.__name__ for cls in type(e).__mro__}
-    if "PromptTooLongError" in names:
-        return HttpError(400, str(e))
-    if "QueueFullError" in names:
-        return HttpError(503, str(e) or "the waiting queue is full; retry later", type="server_busy",
+def _engine_error(error: Exception) -> HttpError | None:
+    """add_request's errors as HTTP errors (None: not the request's fault, a 500)."""
+    if isinstance(error, PromptTooLongError):
+        return HttpError(400, str(error))
+    if isinstance(error, QueueFullError):
+        return HttpError(503, str(error) or "the waiting queue is full; retry later", type="server_busy",
                          headers=[("retry-after", "1")])
-    if "EngineDeadError" in names:
-        return HttpError(503, str(e) or "the engine has stopped", type="service_unavailable")
-    if isinstance(e, ValueError):
-        return HttpError(400, str(e), param=getattr(e, "param", None))
+    if isinstance(error, EngineDeadError):
+        return HttpError(503, str(error) or "the engine has stopped", type="service_unavailable")
+    if isinstance(error, ValueError):
+        return HttpError(400, str(error), param=getattr(error, "param", None))
     return None
 
 
@@ -122,7 +133,7 @@ class _Choice:
     index: int
     request_id: str
     text: list[str] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     num_output_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None
@@ -130,7 +141,7 @@ class _Choice:
     error: str | None = None
     text_offset: int = 0   # characters streamed so far, for completions text_offset
 
-    def update(self, out: Any) -> None:
+    def update(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
@@ -142,17 +153,18 @@ class _Choice:
             self.error = out.error
 
 
-async def _next(stream: Any) -> Any:
+async def _next(stream: RequestStream) -> RequestOutput:
     return await stream.__anext__()
 
 
-async def _merge(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) from several engine streams in arrival order."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)}
+    pending: dict[asyncio.Future[RequestOutput], int] = {
+        asyncio.ensure_future(_next(stream)): i for i, stream in enumerate(streams)}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -172,7 +184,7 @@ async def _merge(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
                 task.exception()  # retrieved so asyncio does not warn about it
 
 
-async def _close_all(streams: list[Any]) -> None:
+async def _close_all(streams: list[RequestStream]) -> None:
     """Close every engine stream; closing an unfinished one aborts its request."""
     for s in streams:
         try:
@@ -188,11 +200,11 @@ class _Events:
     `last()` once every choice has finished."""
 
     first: list[bytes]
-    output: Callable[[int, Any], list[bytes]]
+    output: Callable[[int, RequestOutput], list[bytes]]
     last: Callable[[], list[bytes]]
 
 
-async def _pull_events(streams: list[Any], events: _Events) -> AsyncIterator[bytes]:
+async def _pull_events(streams: list[RequestStream], events: _Events) -> AsyncIterator[bytes]:
     for data in events.first:
         yield data
     async for i, out in _merge(streams):
@@ -212,9 +224,10 @@ class _SseBody:
     cleanup lives here, where it runs whether or not streaming ever started.
     """
 
-    def __init__(self, gen: AsyncIterator[bytes], streams: list[Any]) -> None:
+    def __init__(self, gen: AsyncIterator[bytes], streams: list[RequestStream], engine: EngineClient) -> None:
         self._gen = gen
         self._streams = streams
+        self._engine = engine
         self._closed = False
 
     def __aiter__(self) -> _SseBody:
@@ -229,10 +242,15 @@ class _SseBody:
             raise
 
     def pause_producing(self) -> None:
-        _set_paused(self._streams, True)
+        self._set_paused(True)
 
     def resume_producing(self) -> None:
-        _set_paused(self._streams, False)
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        """Hold (or release) the engine requests behind a response whose reader fell behind."""
+        for stream in self._streams:
+            self._engine.set_paused(stream.request_id, paused)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -244,13 +262,7 @@ class _SseBody:
             await _close_all(self._streams)
 
 
-def _set_paused(streams: list[Any], paused: bool) -> None:
-    """Hold (or release) the engine requests behind a response whose reader fell behind."""
-    for s in streams:
-        s.engine.set_paused(s.request_id, paused)
-
-
-async def _body_rest(head: list[bytes], rest: Any) -> AsyncIterator[bytes]:
+async def _body_rest(head: list[bytes], rest: Iterator[bytes]) -> AsyncIterator[bytes]:
     for chunk in head:
         yield chunk
     for chunk in rest:  # each piece is built when the previous one is written
@@ -273,14 +285,14 @@ def _json_body(obj: Any) -> Response | StreamResponse:
 class OpenAIApp:
     """Routes requests to handlers; `server` (settable) supplies HTTP counters for /metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str, api_key: str | None = None,
+    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None,
                  options: ApiOptions | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.options = options or ApiOptions()
         self._model_names = frozenset((served_model_name, *self.options.model_aliases))
         self._reasoning = ReasoningParser(engine.tokenizer) if self.options.reasoning_parser else None
-        self.server: Any = None
+        self.server: ResponseCounts | None = None
         self.draining = False  # set by begin_drain() on SIGTERM
         # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
         self._api_key = api_key.encode("utf-8") if api_key else None
@@ -375,8 +387,8 @@ class OpenAIApp:
 
     def _check_token_ids(self, ids: tuple[int, ...] | list[int], param: str) -> None:
         # any id the model can produce is valid, also where its vocabulary has rows past the tokenizer
-        model_cfg = getattr(self.engine, "model_config", None)
-        vocab = max(self.engine.tokenizer.vocab_size, model_cfg.vocab_size if model_cfg else 0)
+        model_config = getattr(self.engine, "model_config", None)  # optional: see EngineClient
+        vocab = max(self.engine.tokenizer.vocab_size, model_config.vocab_size if model_config else 0)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
@@ -418,7 +430,7 @@ class OpenAIApp:
                                               add_special_tokens=opts.add_special_tokens)
         return list(rendered)
 
-    def _with_defaults(self, r: Any, body: dict[str, Any], logprobs_param: str) -> Any:
+    def _with_defaults(self, r: RequestT, body: dict[str, Any], logprobs_param: str) -> RequestT:
         """The parsed request with the model's sampling defaults and the server's logprobs cap."""
         try:
             params = self.options.sampling_defaults.apply(r.params, lambda name: body.get(name) is not None)
@@ -444,13 +456,13 @@ class OpenAIApp:
     # --- generation plumbing ---
 
     def _start(self, ids: list[str], prompts: list[list[int]], r: GenerationRequest,
-               max_tokens: list[int | None]) -> list[Any]:
+               max_tokens: list[int | None]) -> list[RequestStream]:
         """Add the n engine requests of each prompt (choice k: prompt k // n, sample k % n); on any
         failure abort the ones already added."""
         if self.draining:
             raise HttpError(503, "the server is shutting down; retry on another replica",
                             type="service_unavailable", headers=[("retry-after", "1")])
-        streams: list[Any] = []
+        streams: list[RequestStream] = []
         n = r.params.n
         per_prompt: list[SamplingParams] = [
             r.params if m == r.params.max_tokens else dataclasses.replace(r.params, max_tokens=m)
@@ -472,7 +484,7 @@ class OpenAIApp:
     def _request_ids(base_id: str, count: int) -> list[str]:
         return [base_id] if count == 1 else [f"{base_id}-{i}" for i in range(count)]
 
-    async def _collect(self, req: HttpRequest, streams: list[Any], choices: list[_Choice]) -> None:
+    async def _collect(self, req: HttpRequest, streams: list[RequestStream], choices: list[_Choice]) -> None:
         """Drain all streams into `choices`; a client disconnect aborts them."""
 
         async def drain() -> None:
@@ -513,7 +525,7 @@ class OpenAIApp:
         (return_tokens_as_token_ids: a token whose text is not valid UTF-8 alone stays distinct)."""
         return _token_id_name if as_ids else self._token_text
 
-    def _completion_logprobs(self, lps: list[Any], choice: _Choice, as_ids: bool,
+    def _completion_logprobs(self, lps: list[TokenLogprob], choice: _Choice, as_ids: bool,
                              lazy: bool = False) -> dict[str, Any]:
         """Completions logprobs; `lazy` leaves the top alternatives (the bulk) to be built as the
         body is written (a LazyList). text_offset counts characters of the generated text either
@@ -536,7 +548,7 @@ class OpenAIApp:
         return {"tokens": tokens, "token_logprobs": token_lps,
                 "top_logprobs": tops if lazy else tops.materialize(), "text_offset": offsets}
 
-    def _chat_logprobs(self, lps: list[Any], as_ids: bool, lazy: bool = False) -> dict[str, Any]:
+    def _chat_logprobs(self, lps: list[TokenLogprob], as_ids: bool, lazy: bool = False) -> dict[str, Any]:
         """Chat logprobs; `lazy` builds each token's entry as the body is written."""
         name = self._token_name(as_ids)
 
@@ -553,8 +565,8 @@ class OpenAIApp:
         entries = LazyList(len(lps), content)
         return {"content": entries if lazy else entries.materialize()}
 
-    def _launch(self, prefix: str, prompts: list[list[int]], r: Any,
-                max_tokens: list[int | None]) -> tuple[str, int, list, list]:
+    def _launch(self, prefix: str, prompts: list[list[int]], r: GenerationRequest,
+                max_tokens: list[int | None]) -> tuple[str, int, list[RequestStream], list[_Choice]]:
         """Start the engine requests of one API call, n per prompt, choice index prompt * n + sample
         as OpenAI and vLLM number them, with each prompt's max_tokens from _fit: (response id,
         created, streams, choices)."""
@@ -615,7 +627,7 @@ class OpenAIApp:
 
         plain_event = _TextEvents(plain)
 
-        def output(i: int, out: Any) -> list[bytes]:
+        def output(i: int, out: RequestOutput) -> list[bytes]:
             c = choices[i]
             c.update(out)
             if not out.finished and not want_lp and (out.text or out.token_ids):
@@ -711,7 +723,7 @@ class OpenAIApp:
         # reasoning and tool calls reshape each delta (chat_output); plain replies skip that
         shapers = [plan.shaper() for _ in choices] if plan is not None and plan.shapes else None
 
-        def output(i: int, out: Any) -> list[bytes]:
+        def output(i: int, out: RequestOutput) -> list[bytes]:
             choices[i].update(out)
             if not out.finished and not r.want_logprobs and shapers is None and (out.text or out.token_ids):
                 return [plain_event(i, out.text)]
@@ -740,7 +752,7 @@ class OpenAIApp:
 
         return _Events(first, output, last)
 
-    def _stream_response(self, streams: list[Any], events: _Events) -> StreamResponse:
+    def _stream_response(self, streams: list[RequestStream], events: _Events) -> StreamResponse:
         """One choice: the engine hands each output to a callback that writes its events into the
         response (no task wakes per token). Several choices are merged by a generator."""
         if len(streams) == 1:
@@ -750,7 +762,7 @@ class OpenAIApp:
             for data in events.first:
                 body.send(data)
 
-            def deliver(out: Any) -> None:
+            def deliver(out: RequestOutput) -> None:
                 try:
                     datas = events.output(0, out)
                     for data in datas:
@@ -768,7 +780,7 @@ class OpenAIApp:
 
             stream.deliver_to(deliver)
             return StreamResponse(200, body)
-        return StreamResponse(200, _SseBody(_pull_events(streams, events), streams))
+        return StreamResponse(200, _SseBody(_pull_events(streams, events), streams, self.engine))
 
     # --- small routes ---
 
@@ -826,8 +838,7 @@ class OpenAIApp:
         return _json({"server_load": s.num_requests_running + s.num_requests_waiting})
 
     async def _metrics(self, req: HttpRequest) -> Response:
-        server = self.server
-        http = getattr(server, "responses_total", None) if server is not None else None
+        http = self.server.responses_total if self.server is not None else None
         text = metrics.render_metrics(self.engine.stats(), self.served_model_name, http)
         return Response(200, text.encode(), content_type=metrics.CONTENT_TYPE)
 
@@ -835,13 +846,13 @@ class OpenAIApp:
         return _json({"version": _version()})
 
 
-def _error_event(out: Any) -> bytes:
+def _error_event(out: RequestOutput) -> bytes:
     """The SSE event that ends a stream whose request failed inside the engine."""
     return _sse({"error": {"message": out.error or "the request failed in the engine",
                            "type": "internal_server_error", "param": None, "code": None}})
 
 
-def _nothing_new(out: Any) -> bool:
+def _nothing_new(out: RequestOutput) -> bool:
     """True for an output with no token, no text and no finish. A token with empty or held-back
     text still gets its chunk (as vLLM does): clients count tokens and time them from the stream."""
     return not out.text and not out.token_ids and not out.finished

@@ -20,8 +20,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
+from vt.http.engine_client import PromptTokenizer
 from vt.http.protocol import ProtocolError
 
 INLINE_CHARS = 4096            # shorter texts tokenize on the loop: a thread hop costs more
@@ -57,7 +59,7 @@ def run_bounded(fn: Callable[[], T], timeout_s: float, max_growth: int) -> T:
     limit = _rss_bytes() + max_growth
     next_rss = start + _RSS_EVERY_S
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
+    def tracer(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
         nonlocal next_rss
         now = time.monotonic()
         if now > deadline:
@@ -76,7 +78,7 @@ def run_bounded(fn: Callable[[], T], timeout_s: float, max_growth: int) -> T:
         sys.settrace(None)
 
 
-def max_token_chars(tokenizer: Any) -> int | None:
+def max_token_chars(tokenizer: PromptTokenizer) -> int | None:
     """The longest token string of the vocabulary (added tokens included), or None if unknown."""
     raw = getattr(tokenizer, "raw", None)
     get_vocab = getattr(raw, "get_vocab", None)
@@ -89,7 +91,7 @@ def max_token_chars(tokenizer: Any) -> int | None:
 class PromptPreparer:
     """Tokenizes prompts and renders chat templates for the routes, bounded and off the loop."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, workers: int = 2) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, max_model_len: int, workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._token_chars = max_token_chars(tokenizer)

@@ -130,7 +130,7 @@ def _get_token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _get_logit_bias(body: dict[str, Any]) -> dict[Any, Any] | None:
+def _get_logit_bias(body: dict[str, Any]) -> dict[str, Any] | None:
     v = body.get("logit_bias")
     if v is None or v == {}:
         return None

@@ -15,7 +15,7 @@ the token after it (vt.structured.spec.StructuredOutput.start_after).
 
 from __future__ import annotations
 
-from typing import Any
+from vt.http.engine_client import PromptTokenizer
 
 PARSERS = ("qwen3",)
 THINK_START, THINK_END = "<think>", "</think>"
@@ -23,7 +23,7 @@ TURN_START = "<|im_start|>"
 
 
 class ReasoningParser:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.start_id = tokenizer.token_to_id(THINK_START)
         self.end_id = tokenizer.token_to_id(THINK_END)
         if self.start_id is None or self.end_id is None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from vt.http.engine_client import EngineClient
 from vt.http.protocol import ProtocolError
 from vt.sampling_params import SamplingParams
 from vt.structured.compiler import GrammarError
@@ -165,7 +166,7 @@ def parse_structured_fields(body: dict[str, Any]) -> StructuredField | None:
     return found[0] if found else None
 
 
-async def constrain(engine: Any, params: SamplingParams, field: StructuredField | None,
+async def constrain(engine: EngineClient, params: SamplingParams, field: StructuredField | None,
                     start_after: int | None = None) -> SamplingParams:
     """params with the field's grammar, compiled by the engine off the event loop; a grammar
     that does not compile is a 400 naming the field."""
