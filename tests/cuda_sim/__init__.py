@@ -3,7 +3,12 @@
 The kernels are the very sources NVRTC compiles (vt.kernels.sources), with the PTX wrappers
 (tensor_core.cu, wgmma.cu) swapped for sim_tensor_core.h and sim_wgmma.h. Needs a C++17
 compiler; `build` raises SimUnavailable without one. `python3 -m tests.cuda_sim.nvrtc` compiles
-the same files for sm_90a instead."""
+the same files for sm_90a instead.
+
+Tests skip on SimUnavailable (and nvrtc.NvrtcUnavailable) where the toolchain is missing, except
+under CI: there the toolchain is part of the image, and `missing_toolchain` raises ToolchainMissing,
+which no test catches, so a CI run that lost g++ or NVRTC fails rather than skipping every kernel
+check it exists for."""
 
 from __future__ import annotations
 
@@ -31,7 +36,24 @@ _LAUNCH_ARGTYPES = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, 
 
 
 class SimUnavailable(RuntimeError):
-    pass
+    """No host C++ compiler: the simulator tests skip (never under CI, see missing_toolchain)."""
+
+
+class ToolchainMissing(RuntimeError):
+    """A compiler or NVRTC missing under CI: an error, never a skip."""
+
+
+def under_ci() -> bool:
+    """CI services set CI (GitHub Actions, GitLab CI, Buildkite, ...: CI=true)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing_toolchain(skippable: type[RuntimeError], message: str) -> RuntimeError:
+    """The exception to raise for a missing toolchain: `skippable` (which tests turn into a skip),
+    or under CI a ToolchainMissing naming what to install."""
+    if under_ci():
+        return ToolchainMissing(f"{message}; CI runs the kernel tests, so its image must provide it")
+    return skippable(message)
 
 
 # The simulator's versions of the PTX wrapper files.
@@ -108,7 +130,7 @@ def compile_host(tag: str, src: str) -> ctypes.CDLL:
     """Host C++ (from host_source, plus launchers) built once per content into a shared library."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise SimUnavailable("no C++ compiler (g++) on this machine")
+        raise missing_toolchain(SimUnavailable, "no C++ compiler (g++) on this machine")
     headers = "".join((HERE / h).read_text() for h in ("sim_runtime.h", "sim_tensor_core.h", "sim_wgmma.h"))
     key = hashlib.sha256((src + headers).encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / "vt-cuda-sim"
