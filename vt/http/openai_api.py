@@ -14,7 +14,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -31,8 +31,9 @@ from vt.engine.outputs import (
 )
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
+from vt.http.chat_body import fields_given, parse_chat_body
 from vt.http.chat_options import ChatTemplateOptions, parse_template_options
-from vt.http.chat_output import ChatOutputPlan, chat_constraint
+from vt.http.chat_output import ChatOutputPlan
 from vt.http.engine_client import EngineClient
 from vt.http.errors import HttpError, error_body
 from vt.http.json_chunks import LazyList, json_chunks
@@ -45,7 +46,6 @@ from vt.http.protocol import (
     get_bool,
     get_str,
     params_for_choice,
-    parse_chat_request,
     parse_completion_request,
     parse_json_object,
     parse_messages,
@@ -53,7 +53,6 @@ from vt.http.protocol import (
 from vt.http.reasoning import ReasoningParser
 from vt.http.server import HttpRequest, PushBody, Response, StreamResponse
 from vt.http.structured_fields import constrain, parse_structured_fields
-from vt.http.tool_calls import parse_tool_plan
 from vt.sampling_params import SamplingParams, SamplingParamsError
 from vt.text.preview import preview
 
@@ -430,10 +429,11 @@ class OpenAIApp:
                                               add_special_tokens=opts.add_special_tokens)
         return list(rendered)
 
-    def _with_defaults(self, r: RequestT, body: dict[str, Any], logprobs_param: str) -> RequestT:
-        """The parsed request with the model's sampling defaults and the server's logprobs cap."""
+    def _with_defaults(self, r: RequestT, given: Container[str], logprobs_param: str) -> RequestT:
+        """The parsed request with the model's sampling defaults (for the fields not `given`) and
+        the server's logprobs cap."""
         try:
-            params = self.options.sampling_defaults.apply(r.params, lambda name: body.get(name) is not None)
+            params = self.options.sampling_defaults.apply(r.params, given.__contains__)
         except SamplingParamsError as e:
             raise ProtocolError(f"{e} (with the model's generation_config.json defaults)", e.param) from None
         cap = self.options.max_logprobs
@@ -583,7 +583,8 @@ class OpenAIApp:
 
     async def _completions(self, req: HttpRequest) -> Response | StreamResponse:
         body = parse_json_object(req.body)
-        r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), body, "logprobs")
+        r = self._with_defaults(parse_completion_request(body, self.engine.max_model_len), fields_given(body),
+                                "logprobs")
         self._check_model(r.model)
         limits = self.engine.limits
         # before the prompt work, which can be large
@@ -658,29 +659,23 @@ class OpenAIApp:
     # --- /v1/chat/completions ---
 
     async def _chat(self, req: HttpRequest) -> Response | StreamResponse:
-        body = parse_json_object(req.body)
-        r = self._with_defaults(parse_chat_request(body), body, "top_logprobs")
-        opts = parse_template_options(body)
+        chat = parse_chat_body(parse_json_object(req.body), self.options.enable_auto_tool_choice)
+        r = self._with_defaults(chat.request, chat.given, "top_logprobs")
         self._check_model(r.model)
         limits = self.engine.limits
         check_params(r.params, limits)  # before the template and tokenizer run
         check_priority(r.priority, limits)
-        tools = parse_tool_plan(body, opts.tools, self.options.enable_auto_tool_choice)
-        field = chat_constraint(parse_structured_fields(body), tools)
-        prompt_ids = self._truncate(await self._chat_prompt_ids(r.messages, opts), r)
+        prompt_ids = self._truncate(await self._chat_prompt_ids(r.messages, chat.template), r)
         if not prompt_ids:
             raise ProtocolError("the messages render to an empty prompt", "messages")
-        max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = self._fit([prompt_ids], r, limits, body.get(max_name) is not None, "messages", max_name)
+        max_tokens = self._fit([prompt_ids], r, limits, chat.max_tokens_given, "messages",
+                               chat.max_tokens_param)
         reasoning = self._reasoning
-        plan = ChatOutputPlan(reasoning, tools, reasoning is not None and reasoning.prompt_closed(prompt_ids),
-                              get_bool(body, "include_reasoning", True))
-        r = dataclasses.replace(r, params=await constrain(self.engine, r.params, field, plan.grammar_start()))
-        # vLLM's reply role: the final message's when no generation prompt opens an assistant turn;
-        # echo repeats the final message's content when the reply continues it
-        last = r.messages[-1]
-        role = "assistant" if opts.add_generation_prompt else last["role"]
-        echoed = last["content"] if get_bool(body, "echo", False) and last["role"] == role else ""
+        prompt_closed = reasoning is not None and reasoning.prompt_closed(prompt_ids)
+        plan = ChatOutputPlan(reasoning, chat.tools, prompt_closed, chat.include_reasoning)
+        r = dataclasses.replace(r, params=await constrain(self.engine, r.params, chat.constraint,
+                                                          plan.grammar_start()))
+        role, echoed = chat.reply_role, chat.echoed
         base_id, created, streams, choices = self._launch("chatcmpl", [prompt_ids], r, max_tokens)
         if r.stream:
             return self._stream_response(
