@@ -76,8 +76,8 @@ class LaunchingExecutor:
 
     def __init__(self, inner: Any, clock: DeviceClock, second_pass: Any) -> None:
         self.inner, self.clock, self.second_pass = inner, clock, second_pass
-        self.side = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="emulated-late")
-        self.last_late: concurrent.futures.Future | None = None
+        self.side = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="emulated-second-pass")
+        self.last_second_pass: concurrent.futures.Future | None = None
 
     def _run(self, launched: float, after: concurrent.futures.Future | None, fn: Any, args: tuple) -> Any:
         if after is not None:
@@ -87,9 +87,9 @@ class LaunchingExecutor:
 
     def submit(self, fn: Any, *args: Any) -> Any:
         if args and getattr(args[0], "__func__", None) is self.second_pass:
-            self.last_late = self.side.submit(fn, *args)
-            return self.last_late
-        return self.inner.submit(self._run, time.monotonic(), self.last_late, fn, args)
+            self.last_second_pass = self.side.submit(fn, *args)
+            return self.last_second_pass
+        return self.inner.submit(self._run, time.monotonic(), self.last_second_pass, fn, args)
 
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
