@@ -10,7 +10,7 @@ GPU.
 from __future__ import annotations
 
 ALIGN = 256  # every allocation starts on a 256-byte boundary (cuBLAS and vector loads like it)
-ITEM_BYTES = {"act": 2, "f32": 4, "i32": 4, "u8": 1, "i64": 8}  # CUDA sizes of the backend dtypes
+ITEM_BYTES = {"act": 2, "f32": 4, "i32": 4, "u8": 1, "i64": 8, "fp8": 1}  # CUDA sizes of backend dtypes
 
 
 def aligned(nbytes: int) -> int:

@@ -109,6 +109,15 @@ class CublasGemm:
         ):
             fn.restype = _INT
 
+    @property
+    def workspace_ptr(self) -> int:
+        """The handle's workspace, lent to this slot's cuBLASLt calls too: both run in stream order."""
+        return int(self._workspace.data.ptr)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self._workspace.nbytes)
+
     def set_sm_count_target(self, sms: int) -> None:
         """Have the GEMMs launched from now on use about `sms` SMs (0: the whole device), so
         that work on another stream can run beside them (cublasSetSmCountTarget)."""

@@ -1,0 +1,191 @@
+"""FP8 semantics (vt.kernels.numpy_fp8) and the fp8.cu kernels on the host simulator against them.
+
+The numpy twin is the definition: e4m3 rounding as ml_dtypes does it, saturated, with scales
+amax / 448 per row or per row and 128 columns. quantize_rows_k must reproduce its bits exactly on
+the same bf16 input; the fused norm and SiLU-mul kernels compute their row in a different order
+(rsqrt, the fast exponential), so their codes may differ by a rounding step where a value lands
+between two codes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.cuda_sim import SimUnavailable, compile_host, host_source
+from vt.kernels import numpy_fp8 as f8
+from vt.kernels.sources import read_source
+
+_P, _I, _F, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
+_LAUNCH = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+_KERNELS = {
+    "quantize_rows_k": ("const bf16_t* x, long long ld, unsigned char* q, float* scale, int k, int group, "
+                        "int scale_ld", "x, ld, q, scale, k, group, scale_ld", [_P, _LL, _P, _P, _I, _I, _I]),
+    "rms_norm_quant_k": ("const bf16_t* x, const bf16_t* w, float eps, unsigned char* q, float* scale, "
+                         "int k, int group, int scale_ld", "x, w, eps, q, scale, k, group, scale_ld",
+                         [_P, _P, _F, _P, _P, _I, _I, _I]),
+    "silu_mul_quant_k": ("const bf16_t* x, unsigned char* q, float* scale, int inter, int group, "
+                         "int scale_ld",
+                         "x, q, scale, inter, group, scale_ld", [_P, _P, _P, _I, _I, _I]),
+}
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16, as float32 (what a bf16 tensor holds)."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+# ---- the numpy definition -----------------------------------------------------------------------
+
+def test_quantize_round_trip_is_within_half_an_e4m3_step_of_each_row():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((17, 300)).astype(np.float32) * np.float32(7)
+    q, scale = f8.quantize(x)
+    assert q.dtype == f8.E4M3 and scale.shape == (17, 1)
+    back = f8.dequantize(q, scale)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal codes; a row's largest value
+    # maps to 448 exactly
+    err = np.abs(back - x) / np.abs(x).max(axis=1, keepdims=True)
+    assert err.max() <= 2.0 ** -4
+    np.testing.assert_array_equal(np.abs(q.astype(np.float32)).max(axis=1), 448.0)
+
+
+def test_group_scales_follow_each_block_of_128_and_a_short_last_group():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 300)).astype(np.float32)
+    x[:, 128:256] *= 1000  # one loud group must not flatten the others
+    q, scale = f8.quantize(x, 128)
+    assert scale.shape == (3, 3)
+    loud, quiet = np.abs(x[:, 128:256]).max(1), np.abs(x[:, :128]).max(1)
+    np.testing.assert_allclose(scale[:, 1] / scale[:, 0], loud / quiet, rtol=1e-6)
+    back = f8.dequantize(q, scale, 128)
+    assert (np.abs(back - x)[:, :128] <= np.abs(x[:, :128]).max(1, keepdims=True) / 16).all()
+
+
+def test_zero_rows_stay_zero_with_a_finite_scale_and_overflow_saturates():
+    x = np.zeros((2, 16), np.float32)
+    x[1, 3] = np.float32(np.finfo(np.float32).max)
+    q, scale = f8.quantize(x)
+    assert np.isfinite(scale).all() and not q[0].astype(np.float32).any()
+    assert q[1, 3].astype(np.float32) == 448.0
+    np.testing.assert_array_equal(f8.to_e4m3(np.array([1e9, -1e9, 0.0], np.float32)).astype(np.float32),
+                                  [448.0, -448.0, 0.0])
+
+
+def test_scaled_gemm_is_the_product_of_the_dequantized_operands():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    w = rng.standard_normal((64, 256)).astype(np.float32) / 16
+    xq, xs = f8.quantize(x)
+    wq, ws = f8.quantize_weight_channel(w)
+    y = f8.scaled_gemm(xq, xs, wq, ws)
+    want = f8.dequantize(xq, xs) @ f8.dequantize_weight(wq, ws).T
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    rel = np.linalg.norm(y - x @ w.T) / np.linalg.norm(x @ w.T)
+    assert rel < 0.05  # two e4m3 roundings: a few percent of the product
+
+
+def test_block_scaled_gemm_pairs_128x128_weight_blocks_with_128_wide_activation_groups():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 300)).astype(np.float32)
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    w[:128, :128] *= 100  # blocks keep their own scale
+    wq, ws = f8.quantize_weight_block(w)
+    assert ws.shape == (2, 3)
+    xq, xs = f8.quantize(x, 128)
+    y = f8.scaled_gemm(xq, xs, wq, ws)
+    np.testing.assert_allclose(y, f8.dequantize(xq, xs, 128) @ f8.dequantize_weight(wq, ws).T, rtol=1e-5,
+                               atol=1e-4)
+    with pytest.raises(ValueError, match="block"):
+        f8.scaled_gemm(*f8.quantize(x), wq, ws)
+
+
+# ---- fp8.cu on the host simulator ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lib():
+    launchers = "\n".join(
+        f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem, '
+        f"{params}) {{ return sim::launch(gx, gy, gz, threads, smem, [&] {{ {name}({args}); }}); }}"
+        for name, (params, args, _) in _KERNELS.items())
+    src = host_source(read_source("cuda_common.cu") + "\n" + read_source("fp8.cu")) + "\n" + launchers
+    try:
+        lib = compile_host("fp8", src)
+    except SimUnavailable as e:
+        pytest.skip(str(e))
+    for name, (_, _, argtypes) in _KERNELS.items():
+        getattr(lib, f"sim_{name}").argtypes = _LAUNCH + argtypes
+    return lib
+
+
+def _outputs(rows: int, k: int, group: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    groups = f8.num_groups(k, group)
+    return np.full((rows, k), 0x55, np.uint8), np.full(rows * groups, np.nan, np.float32), groups
+
+
+def _scales(scale: np.ndarray, rows: int, groups: int, group: int | None) -> np.ndarray:
+    """The kernel's scales as numpy's [rows, groups]: group-major (scale[g * rows + r]) for groups."""
+    return scale.reshape(rows, 1) if group is None else scale.reshape(groups, rows).T
+
+
+def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
+    """Codes equal, or one rounding step apart where the kernel's float differs in its last bits."""
+    g, w = got.astype(np.int32), want.view(np.uint8).astype(np.int32)
+    assert np.abs(g - w).max() <= 1 and (g != w).mean() < 0.01
+
+
+@pytest.mark.parametrize(("rows", "k", "group"), [(3, 64, None), (5, 4096 + 8, None), (4, 384, 128),
+                                                   (2, 128 * 33, 128)])
+def test_quantize_rows_kernel_is_bit_exact(lib, rows, k, group):
+    rng = np.random.default_rng(rows * k)
+    x = _bf16(rng.standard_normal((rows, k)) * rng.uniform(0.001, 1000, (rows, 1)))
+    x[0, :] = 0.0  # a zero row
+    x[-1, 1] = _bf16(np.float32(3e38))  # saturation, and a subnormal neighbour row range
+    x[-1, 2] = _bf16(np.float32(1e-30))
+    ld = k + 16  # a strided input, as the attention output's rows may be
+    xs = np.zeros((rows, ld), np.float32)
+    xs[:, :k] = x
+    xb = _bits(xs)
+    q, scale, groups = _outputs(rows, k, group)
+    rc = lib.sim_quantize_rows_k(rows, 1, 1, 256, 0, xb.ctypes.data, ld, q.ctypes.data, scale.ctypes.data, k,
+                                 group or 0, rows)
+    assert rc == 0
+    want_q, want_s = f8.quantize(x, group)
+    np.testing.assert_array_equal(q, want_q.view(np.uint8))
+    np.testing.assert_array_equal(_scales(scale, rows, groups, group), want_s)
+
+
+@pytest.mark.parametrize(("rows", "k", "group"), [(3, 256, None), (2, 1024, 128)])
+def test_rms_norm_quant_kernel_matches_numpy(lib, rows, k, group):
+    rng = np.random.default_rng(k)
+    x = _bf16(rng.standard_normal((rows, k)) * 4)
+    w = _bf16(rng.uniform(0.2, 2.0, k))
+    q, scale, groups = _outputs(rows, k, group)
+    xb, wb = _bits(x), _bits(w)  # kept alive across the call
+    rc = lib.sim_rms_norm_quant_k(rows, 1, 1, 256, 0, xb.ctypes.data, wb.ctypes.data, 1e-6,
+                                  q.ctypes.data, scale.ctypes.data, k, group or 0, rows)
+    assert rc == 0
+    want_q, want_s = f8.rms_norm_quantize(x, w, 1e-6, group)
+    np.testing.assert_allclose(_scales(scale, rows, groups, group), want_s, rtol=1e-5)
+    _codes_agree(q, want_q)
+
+
+@pytest.mark.parametrize(("rows", "inter", "group"), [(3, 8 * 50, None), (2, 384, 128)])
+def test_silu_mul_quant_kernel_matches_numpy(lib, rows, inter, group):
+    rng = np.random.default_rng(inter)
+    x = _bf16(rng.standard_normal((rows, 2 * inter)) * 3)
+    q, scale, groups = _outputs(rows, inter, group)
+    xb = _bits(x)
+    rc = lib.sim_silu_mul_quant_k(rows, 1, 1, 256, 0, xb.ctypes.data, q.ctypes.data, scale.ctypes.data,
+                                  inter, group or 0, rows)
+    assert rc == 0
+    want_q, want_s = f8.silu_mul_quantize(x, group)
+    np.testing.assert_allclose(_scales(scale, rows, groups, group), want_s, rtol=1e-5)
+    _codes_agree(q, want_q)

@@ -1,0 +1,137 @@
+// FP8 (e4m3) activation quantization, fused into the kernels that produce the activations: the
+// input norms (rms_norm_quant_k), SiLU-mul (silu_mul_quant_k), and a plain pass for the attention
+// output (quantize_rows_k, also used on weights at load). The semantics are vt/kernels/numpy_fp8.py's:
+// per group of a row, amax = max(|x|, FP8_AMAX_FLOOR), scale = amax / 448, q = e4m3(x * (448 / amax)),
+// nearest even, saturated. group 0 means one group a row (per-token scales, scale[row]); group 128
+// gives a scale per row and 128 columns, stored group-major as cuBLASLt's VEC128 scales want them:
+// scale[g * scale_ld + row]. Rows are bf16 with a multiple of 8 elements on 16-byte aligned memory;
+// with group 128 the row length is a multiple of 128.
+
+#define FP8_MAX 448.f
+#define FP8_AMAX_FLOOR 1e-12f
+#define FP8_THREADS 256
+
+// float -> e4m3 bits, nearest even, finite values saturated to +-448, NaN kept a NaN. The software
+// path is the definition (and what the host simulator runs); sm_89+ converts two values an
+// instruction, which rounds the same way.
+__device__ __forceinline__ unsigned int f2e4m3(float f) {
+    const unsigned int u = __float_as_uint(f);
+    const unsigned int sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;
+    if (a >= 0x43e00000u) return sign | 0x7eu;                 // >= 448: the largest finite e4m3
+    if (a < 0x3c800000u) {                                     // below 2^-6: subnormal steps of 2^-9
+        return sign | (unsigned int)rintf(__uint_as_float(a) * 512.f);
+    }
+    const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);   // round the 23-bit mantissa to 3 bits
+    return sign | ((r >> 20) - (120u << 3));                   // rebias the exponent: 127 -> 7
+}
+
+__device__ __forceinline__ unsigned int pack4_e4m3(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned int)lo | ((unsigned int)hi << 16);
+#else
+    return f2e4m3(a) | (f2e4m3(b) << 8) | (f2e4m3(c) << 16) | (f2e4m3(d) << 24);
+#endif
+}
+
+__device__ __forceinline__ void store8_e4m3(unsigned char* p, const float* f, float inv) {
+    unsigned int* w = reinterpret_cast<unsigned int*>(p);
+    w[0] = pack4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+    w[1] = pack4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+}
+
+// The max over the 16 lanes of a half warp (a group of 128 values, 8 a lane).
+__device__ __forceinline__ float half_warp_max(float v) {
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The 8 values of chunk c of a row, as each kernel computes them.
+struct RowSource {
+    const bf16_t* x;       // the row (quantize, norm) or the row's gate half (silu_mul)
+    const bf16_t* up;      // silu_mul: the row's up half; null otherwise
+    const bf16_t* weight;  // norm: the norm weight; null otherwise
+    float s;               // norm: rsqrt(mean(x^2) + eps); 1 otherwise
+    __device__ __forceinline__ void load(int c, float* f) const {
+        load8(x + c, f);
+        if (up != nullptr) {
+            float u[8];
+            load8(up + c, u);
+            for (int e = 0; e < 8; ++e) f[e] = __fdividef(f[e], 1.f + __expf(-f[e])) * u[e];
+        } else if (weight != nullptr) {
+            float w[8];
+            load8(weight + c, w);
+            for (int e = 0; e < 8; ++e) f[e] = f[e] * s * w[e];
+        }
+    }
+};
+
+// One block a row of width k: amax, then the quantized row (a second read of the row, from cache).
+__device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
+                             int row, int k, int group, int scale_ld, float* scratch) {
+    if (group == 0) {
+        float amax = 0.f;
+        for (int c = threadIdx.x * 8; c < k; c += FP8_THREADS * 8) {
+            float f[8];
+            src.load(c, f);
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+        }
+        amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
+        const float inv = FP8_MAX / amax;
+        for (int c = threadIdx.x * 8; c < k; c += FP8_THREADS * 8) {
+            float f[8];
+            src.load(c, f);
+            store8_e4m3(q + c, f, inv);
+        }
+        if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+        return;
+    }
+    // group == 128: 16 lanes a group; the loop bound is the same for every lane of a warp, so the
+    // shuffles always see the whole warp (lanes past the row contribute nothing).
+    for (int base = 0; base < k; base += FP8_THREADS * 8) {
+        const int c = base + threadIdx.x * 8;
+        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (c < k) src.load(c, f);
+        float amax = 0.f;
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+        amax = fmaxf(half_warp_max(amax), FP8_AMAX_FLOOR);
+        if (c < k) {
+            store8_e4m3(q + c, f, FP8_MAX / amax);
+            if ((threadIdx.x & 15) == 0) scale[(size_t)(c / 128) * scale_ld + row] = amax / FP8_MAX;
+        }
+    }
+}
+
+// q[r, :k], scale <- x[r, :k] (row stride ld). Grid: rows.
+extern "C" __global__ void quantize_rows_k(const bf16_t* __restrict__ x, long long ld, unsigned char* __restrict__ q,
+                                           float* __restrict__ scale, int k, int group, int scale_ld) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    const RowSource src{x + (size_t)row * ld, nullptr, nullptr, 1.f};
+    quantize_row(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
+}
+
+// The input norm of an fp8 projection: q, scale <- x[r] * rsqrt(mean(x[r]^2) + eps) * weight.
+// Grid: rows.
+extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const bf16_t* __restrict__ weight,
+                                            float eps, unsigned char* __restrict__ q, float* __restrict__ scale,
+                                            int k, int group, int scale_ld) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    const bf16_t* xr = x + (size_t)row * k;
+    const RowSource src{xr, nullptr, weight, row_inv_rms(xr, k, eps, scratch)};
+    quantize_row(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
+}
+
+// down_proj's input: q, scale <- silu(x[r, :inter]) * x[r, inter:]. Grid: rows.
+extern "C" __global__ void silu_mul_quant_k(const bf16_t* __restrict__ x, unsigned char* __restrict__ q,
+                                            float* __restrict__ scale, int inter, int group, int scale_ld) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    const bf16_t* xr = x + (size_t)row * 2 * inter;
+    const RowSource src{xr, xr + inter, nullptr, 1.f};
+    quantize_row(src, q + (size_t)row * inter, scale, row, inter, group, scale_ld, scratch);
+}

@@ -1,0 +1,131 @@
+"""Launchers of fp8.cu (activation quantization, fused into the norm and SiLU-mul) and the fp8
+GEMMs on cuBLASLt (cublas_lt.CublasLtFp8). Semantics are numpy_fp8.NumpyFp8Ops'; weights and
+activations cross the interface as quantized.Fp8Weight / Fp8Activation.
+
+On CUDA an activation's e4m3 codes are uint8 [T, K]; its scales are f32 [T] per token, or per token
+and 128 columns group-major, f32 [G, T] (cuBLASLt's VEC128 layout for the B operand).
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from vt.kernels.cublas_lt import CublasLtFp8
+from vt.kernels.cuda_core import CudaCore, check_rows
+from vt.kernels.quantized import Fp8Activation, Fp8Weight
+
+KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k")}
+_THREADS = 256  # FP8_THREADS in fp8.cu
+_i32, _f32 = np.int32, np.float32
+
+
+class Fp8Ops(CudaCore):
+    _fp8_gemm: CublasLtFp8 | None = None
+
+    def _lt(self) -> CublasLtFp8:
+        # Made at the first fp8 weight (setup, outside any capture): bf16 models never load it.
+        if self._fp8_gemm is None:
+            self._fp8_gemm = CublasLtFp8()
+        return self._fp8_gemm
+
+    @staticmethod
+    def _group_code(group: int | None, k: int) -> int:
+        if group is None:
+            return 0
+        if group != 128 or k % 128:
+            raise ValueError(f"fp8 activations group by 128 columns of a multiple of 128, got group {group}, "
+                             f"width {k}")
+        return 128
+
+    def _activation(self, rows: int, k: int, group: int | None) -> Fp8Activation:
+        q = self._out((rows, k), np.uint8)
+        scale = self._out((rows,) if group is None else (k // 128, rows), np.float32)
+        return Fp8Activation(q, scale, group)
+
+    # ---- weights (setup) ---------------------------------------------------------------------
+    def upload_fp8(self, q: np.ndarray, scale: np.ndarray) -> Fp8Weight:
+        self._lt()
+        codes = cupy.asarray(np.ascontiguousarray(q).view(np.uint8))
+        return Fp8Weight(self._settled(codes), self._settled(cupy.asarray(np.asarray(scale, np.float32))),
+                         block=np.ndim(scale) == 2)
+
+    def quantize_weight(self, w: cupy.ndarray) -> Fp8Weight:
+        """Per output channel, on the device (the bf16 weight may be dropped afterwards)."""
+        self._lt()
+        check_rows(w, "quantize_weight w")
+        n, k = w.shape
+        q = cupy.empty((n, k), dtype=np.uint8)
+        scale = cupy.empty((n,), dtype=np.float32)
+        if n:
+            args = (w, np.int64(k), q, scale, _i32(k), _i32(0), _i32(n))
+            self._launch("quantize_rows_k", (n,), (_THREADS,), args)
+        return Fp8Weight(self._settled(q), self._settled(scale), block=False)
+
+    # ---- activations ------------------------------------------------------------------------
+    def quantize_fp8(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
+        if x.ndim != 2 or x.dtype != np.uint16 or x.strides[1] != 2 or x.shape[1] % 8 or x.strides[0] % 16:
+            raise ValueError(f"quantize_fp8 needs act rows of a multiple of 8 on 16-byte strides, got "
+                             f"{x.dtype}{x.shape} strides {x.strides}")
+        t, k = x.shape
+        code = self._group_code(group, k)
+        a = self._activation(t, k, group)
+        if t:
+            self._launch("quantize_rows_k", (t,), (_THREADS,),
+                         (x, np.int64(x.strides[0] // 2), a.q, a.scale, _i32(k), _i32(code), _i32(t)))
+        return a
+
+    def rms_norm_quant(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float,
+                       group: int | None) -> Fp8Activation:
+        check_rows(x, "rms_norm_quant x")
+        t, k = x.shape
+        code = self._group_code(group, k)
+        a = self._activation(t, k, group)
+        if t:
+            self._launch("rms_norm_quant_k", (t,), (_THREADS,),
+                         (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(t)))
+        return a
+
+    def silu_mul_quant(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
+        check_rows(x, "silu_mul_quant x")
+        t, k2 = x.shape
+        inter = k2 // 2
+        if inter % 8:
+            raise ValueError(f"silu_mul_quant: the intermediate size {inter} must be a multiple of 8")
+        code = self._group_code(group, inter)
+        a = self._activation(t, inter, group)
+        if t:
+            args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(t))
+            self._launch("silu_mul_quant_k", (t,), (_THREADS,), args)
+        return a
+
+    # ---- GEMMs ------------------------------------------------------------------------------
+    def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: cupy.ndarray | None) -> cupy.ndarray:
+        t, n = x.q.shape[0], w.q.shape[0]
+        y = self._out((t, n), np.uint16)
+        self._fp8_gemm_into(x, w, y, accumulate=False)
+        if bias is not None and t:
+            if n % 8:
+                raise ValueError(f"bias width {n} must be a multiple of 8")
+            self._launch("bias_add_k", (-(-(t * n // 8) // 256),), (256,), (y, bias, _i32(t), _i32(n)))
+        return y
+
+    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
+        check_rows(residual, "linear_fp8_residual residual")
+        if residual.shape != (x.q.shape[0], w.q.shape[0]):
+            raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "
+                             f"{(x.q.shape[0], w.q.shape[0])}")
+        self._fp8_gemm_into(x, w, residual, accumulate=True)
+
+    def _fp8_gemm_into(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
+        t, k = x.q.shape
+        n, kw = w.q.shape
+        if k != kw or (x.group is not None) != w.block:
+            raise ValueError(f"fp8 GEMM: activations {x.q.shape} grouped by {x.group} do not fit weight "
+                             f"{w.q.shape} ({'block' if w.block else 'channel'} scales)")
+        if not t or not n:
+            return
+        gemm = self._current_gemm()
+        self._lt().linear(cupy.cuda.get_current_stream().ptr, x.q.data.ptr, x.scale.data.ptr, w.q.data.ptr,
+                          w.scale.data.ptr, y.data.ptr, t, n, k, w.block, accumulate, gemm.workspace_ptr,
+                          gemm.workspace_bytes)
