@@ -40,6 +40,8 @@ class EngineConfig:
     # their own beside its prompt rows, the decodes' GEMMs on this many SMs, the prompt rows' on
     # the rest; 0: one mixed step.
     split_decode_sms: int | None = None
+    quantization: str | None = None       # --quantization: fp8 weights (vt.model.quantization)
+    kv_cache_dtype: str = "auto"          # --kv-cache-dtype: auto (the model's dtype) | fp8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +81,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # config.json's quantization_config as written (vt.model.quantization reads it), or None
+    quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -163,6 +167,7 @@ class ModelConfig:
             dtype=str(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            quantization_config=raw.get("quantization_config"),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -39,6 +39,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="the snapshot of a Hugging Face id to serve from the local cache: a branch, tag "
                         "or commit hash (default: main)")
+    p.add_argument("--quantization", "-q", default=None, metavar="{fp8,compressed-tensors}",
+                   help="fp8 weights (Hopper): fp8 quantizes a bf16 checkpoint's projections at load, one "
+                        "scale per output channel; an FP8 checkpoint (quant_method fp8 or "
+                        "compressed-tensors) is served as stored without the flag")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto}",
+                   help="the KV cache's element type: auto = the model's (bf16)")
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -74,6 +80,9 @@ def check_model_flags(args: argparse.Namespace) -> list[str]:
                          "bfloat16")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: vt keeps the KV cache in the model's "
+                         "dtype for now; use --kv-cache-dtype auto")
     notes = []
     if args.trust_remote_code:
         notes.append("--trust-remote-code: accepted; vt runs no code from the checkpoint, only its own")

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from vt.config import ModelConfig
+from vt.model.quantization import PROJECTIONS, Fp8Format, QuantizationError, stored_scale
 
 _DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -27,6 +28,7 @@ _DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _WEIGHT_DTYPES = ("BF16", "F16", "F32")
 
@@ -116,9 +118,17 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _is_stored_fp8(name: str, fp8: Fp8Format | None) -> bool:
+    """Whether checkpoint tensor `name` is an fp8 projection weight in this format."""
+    return fp8 is not None and not fp8.online and any(name.endswith(f".{p}.weight") for p in PROJECTIONS)
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig,
+                 fp8: Fp8Format | None = None) -> dict[str, np.ndarray]:
     """Every tensor the forward needs, checked against the config, as memory-mapped host arrays
-    (bfloat16 as ml_dtypes.bfloat16, float16 and float32 as stored)."""
+    (bfloat16 as ml_dtypes.bfloat16, float16 and float32 as stored). With a stored fp8 format the
+    projection weights are e4m3 and each comes with its scale (`<projection>.<scale_name>`, read
+    as vt.model.quantization.stored_scale gives it: f32 per channel or per 128x128 block)."""
     model_dir = Path(model_dir)
     tensors: dict[str, np.ndarray] = {}
     for file in _checkpoint_files(model_dir):
@@ -130,7 +140,20 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
             raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
         if t.shape != shape:
             raise CheckpointError(f"tensor {name!r}: expected shape {shape}, found {t.shape}")
-        if t.dtype not in (_DTYPES[d] for d in _WEIGHT_DTYPES):
+        if _is_stored_fp8(name, fp8):
+            assert fp8 is not None
+            if t.dtype != _DTYPES["F8_E4M3"]:
+                raise CheckpointError(f"tensor {name!r}: the checkpoint's quantization_config makes it fp8 "
+                                      f"(e4m3), found {t.dtype}")
+            scale_name = name[: -len("weight")] + fp8.scale_name
+            scale = tensors.get(scale_name)
+            if scale is None:
+                raise CheckpointError(f"checkpoint is missing tensor {scale_name!r} (the scales of {name!r})")
+            try:
+                out[scale_name] = stored_scale(fp8, scale_name, np.asarray(scale), *shape)
+            except QuantizationError as e:
+                raise CheckpointError(str(e)) from None
+        elif t.dtype not in (_DTYPES[d] for d in _WEIGHT_DTYPES):
             raise CheckpointError(f"tensor {name!r}: expected a bf16/f16/f32 tensor, found {t.dtype}")
         out[name] = t
     return out

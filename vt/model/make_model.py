@@ -24,6 +24,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from vt.kernels.numpy_fp8 import BLOCK, E4M3_MAX, to_e4m3
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen3's markup tokens, added (not special: they decode into the text) by make_model(qwen3_tokens=True)
 # for what parses them: reasoning (<think>) and tool calls (<tool_call>).
@@ -72,10 +74,13 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 128, 2, 4, 2, 16, None, 2048, True, 1e6, 0.125, 0.25, 1000),
+    # every projection dim a multiple of 128: fp8 checkpoints with 128x128 weight blocks
+    "tiny128": Preset(128, 256, 2, 4, 2, 64, None, 2048, True, 1e6, 0.1, 0.25, 1000),
     "0.6b": Preset(1024, 3072, 28, 16, 8, 128, 151936, 40960, True, 1e6, 0.02, 0.02, 1000),
     "8b": Preset(4096, 12288, 36, 32, 8, 128, 151936, 40960, False, 1e6, 0.02, 0.02, 1000),
 }
 ARCHS = ("qwen3", "llama")
+QUANTIZATIONS = ("fp8-block", "fp8-channel")
 
 
 # ---- tokenizer ----------------------------------------------------------------------------
@@ -230,6 +235,30 @@ def hf_config(arch: str, p: Preset, vocab: int, bos_id: int, eos_id: int) -> dic
             "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_theta": p.rope_theta}
 
 
+def quantization_config(quantization: str) -> dict:
+    """config.json's quantization_config as the published FP8 checkpoints write it: Qwen3's FP8
+    releases (fp8-block) and llm-compressor's FP8-dynamic (fp8-channel, compressed-tensors)."""
+    if quantization == "fp8-block":
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "weight_block_size": [128, 128]}
+    scheme = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8,
+              "observer_kwargs": {}, "symmetric": True, "type": "float"}
+    return {
+        "config_groups": {"group_0": {
+            "input_activations": {**scheme, "dynamic": True, "observer": None, "strategy": "token"},
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {**scheme, "dynamic": False, "observer": "minmax", "strategy": "channel"},
+        }},
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
 # ---- weights ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -301,7 +330,40 @@ def _generate_shard(specs: list[tuple[int, TensorSpec]], seed: int, pool: Thread
     return tensors
 
 
-def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_bytes: int) -> None:
+_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                "up_proj.weight", "down_proj.weight")
+
+
+def _quantize_shard(tensors: dict, quantization: str) -> dict:
+    """A shard's projection weights as e4m3 with bf16 scales named as the published checkpoints
+    name them (weight_scale_inv per 128x128 block; weight_scale [N, 1] per channel); each weight is
+    quantized against its scale as stored (bf16), so the file dequantizes to the closest values."""
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith(_PROJECTIONS):
+            out[name] = t
+            continue
+        w = t.astype(np.float32)
+        n, k = w.shape
+        if quantization == "fp8-block":
+            nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+            padded = np.zeros((nb * BLOCK, kb * BLOCK), np.float32)
+            padded[:n, :k] = np.abs(w)
+            amax = padded.reshape(nb, BLOCK, kb, BLOCK).max(axis=(1, 3))
+            scale = (np.maximum(amax, 1e-12) / E4M3_MAX).astype(ml_dtypes.bfloat16)
+            per = np.repeat(np.repeat(scale.astype(np.float32), BLOCK, 0), BLOCK, 1)[:n, :k]
+            out[name] = to_e4m3(w / per)
+            out[name[: -len("weight")] + "weight_scale_inv"] = scale
+        else:
+            amax = np.abs(w).max(axis=1, keepdims=True)
+            scale = (np.maximum(amax, 1e-12) / E4M3_MAX).astype(ml_dtypes.bfloat16)
+            out[name] = to_e4m3(w / scale.astype(np.float32))
+            out[name[: -len("weight")] + "weight_scale"] = scale
+    return out
+
+
+def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_bytes: int,
+                   quantization: str | None = None) -> None:
     shards: list[list[tuple[int, TensorSpec]]] = [[]]
     size = 0
     for i, spec in enumerate(specs):
@@ -311,15 +373,21 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_byte
         shards[-1].append((i, spec))
         size += spec.nbytes
     meta = {"format": "pt"}
+
+    def shard_tensors(shard: list[tuple[int, TensorSpec]], pool: ThreadPoolExecutor) -> dict:
+        tensors = _generate_shard(shard, seed, pool)
+        return tensors if quantization is None else _quantize_shard(tensors, quantization)
+
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         if len(shards) == 1:
-            save_file(_generate_shard(shards[0], seed, pool), str(out / "model.safetensors"), metadata=meta)
+            save_file(shard_tensors(shards[0], pool), str(out / "model.safetensors"), metadata=meta)
             return
         weight_map = {}
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(_generate_shard(shard, seed, pool), str(out / fname), metadata=meta)
-            weight_map.update({spec.name: fname for _, spec in shard})
+            tensors = shard_tensors(shard, pool)
+            save_file(tensors, str(out / fname), metadata=meta)
+            weight_map.update({name: fname for name in tensors})
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -327,11 +395,16 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_byte
 # ---- entry points -------------------------------------------------------------------------
 
 def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES, qwen3_tokens: bool = False) -> Path:
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES, qwen3_tokens: bool = False,
+               quantization: str | None = None) -> Path:
     """Write a random checkpoint (config, safetensors, tokenizer, generation config) to out_dir;
-    qwen3_tokens adds Qwen3's <think> and <tool_call> markup tokens to the tokenizer."""
+    qwen3_tokens adds Qwen3's <think> and <tool_call> markup tokens to the tokenizer;
+    quantization (fp8-block | fp8-channel) writes the projections as an FP8 checkpoint of that
+    format (the same random weights, quantized)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -346,7 +419,10 @@ def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "t
     tok.save(str(out / "tokenizer.json"))
     eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
 
-    (out / "config.json").write_text(json.dumps(hf_config(arch, p, vocab, eot, im_end), indent=2))
+    config = hf_config(arch, p, vocab, eot, im_end)
+    if quantization is not None:
+        config["quantization_config"] = quantization_config(quantization)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     tok_cfg = {
@@ -362,7 +438,7 @@ def make_model(out_dir: str | os.PathLike, arch: str = "qwen3", preset: str = "t
         "chat_template": CHATML_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-    _write_weights(out, tensor_specs(arch, p, vocab), seed, max_shard_bytes)
+    _write_weights(out, tensor_specs(arch, p, vocab), seed, max_shard_bytes, quantization)
     return out
 
 

@@ -12,6 +12,11 @@ output projections (o_proj, down) accumulating into the residual stream.
 Split over a tensor-parallel group (vt.model.shard), the same code runs on a rank group backend:
 heads, KV heads and MLP columns below are one rank's, and the group's linear_residual and logits
 do the all-reduce and the all-gather where the split needs them.
+
+With fp8 weights (vt.model.quantization) the norms are not folded: a projection's input is the
+norm's output quantized per token (and per 128 columns for block-scaled weights) in the norm's
+own kernel (rms_norm_quant), SiLU-mul quantizes what it writes, and the attention output is
+quantized before o_proj; the GEMMs run on fp8 operands with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import numpy as np
 
 from vt.config import ModelConfig
 from vt.kernels.base import Array, Backend
+from vt.kernels.quantized import Fp8Weight
 from vt.kernels.rank_group import rank_count
 from vt.model.batch import ForwardBatch
+from vt.model.quantization import Fp8Format, QuantizationError, concat_scales
 from vt.model.shard import TensorSplit, concat_rows
 
 
@@ -38,15 +45,22 @@ class _Layer:
     o_proj: Array
     gate_up: Array      # [2 I, H]: gate then up, post-attention norm folded in
     down: Array
+    # fp8 weights (qkv, o_proj, gate_up, down are then Fp8Weight): the norms stay separate
+    input_norm: Array | None = None
+    post_norm: Array | None = None
 
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> None:
         """tensor_parallel_size > 1: ops is a rank group of that size (vt.kernels.rank_group) and
-        each rank gets its shard of every split tensor (vt.model.shard); dims below are a rank's."""
+        each rank gets its shard of every split tensor (vt.model.shard); dims below are a rank's.
+        fp8: the projections' fp8 format (weights as vt.model.loader.load_weights read them)."""
         self.cfg = cfg
         self.ops = ops
+        self.fp8 = fp8
+        if fp8 is not None and tensor_parallel_size > 1:
+            raise QuantizationError("fp8 weights with --tensor-parallel-size above 1 are not supported yet")
         self.split = split = TensorSplit.of(cfg, tensor_parallel_size)
         if rank_count(ops) != split.size:
             raise ValueError(f"a {split.size}-way split needs a backend of {split.size} ranks, "
@@ -65,14 +79,14 @@ class Transformer:
         self.embed = ops.upload(w("model.embed_tokens.weight"))
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
+            if fp8 is not None:
+                self.layers.append(self._fp8_layer(i, w, weights))
+                continue
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = ops.upload(concat_rows([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
                                           w(a + "v_proj.weight")]))
-            qkv_bias = None
-            if cfg.attention_bias:
-                qkv_bias = ops.upload(concat_rows([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
-                                                   w(a + "v_proj.bias")]))
+            qkv_bias = self._qkv_bias(a, w)
             gate_up = ops.upload(concat_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
             ops.fold_norm_weight(qkv, ops.upload(w(p + "input_layernorm.weight")))
             ops.fold_norm_weight(gate_up, ops.upload(w(p + "post_attention_layernorm.weight")))
@@ -89,6 +103,38 @@ class Transformer:
         tied = cfg.tie_word_embeddings
         self.lm_head = split.lm_head_of(self.embed) if tied else ops.upload(w("lm_head.weight"))
         self.inv_freq = ops.from_host(cfg.inv_freq(), "f32")
+
+    def _qkv_bias(self, attn: str, w: Callable[[str], Any]) -> Array | None:
+        """The q, k, v biases stacked as the qkv projection stacks its rows (Qwen2; else None)."""
+        if not self.cfg.attention_bias:
+            return None
+        return self.ops.upload(concat_rows([w(attn + f"{x}_proj.bias") for x in "qkv"]))
+
+    def _fp8_layer(self, i: int, w: Callable[[str], Any], weights: Mapping[str, np.ndarray]) -> _Layer:
+        """One layer's projections as fp8 weights (stacked as the bf16 ones are), its norms kept."""
+        ops, cfg, fp8 = self.ops, self.cfg, self.fp8
+        assert fp8 is not None
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+
+        def projection(names: list[str]) -> Fp8Weight:
+            if fp8.online:  # quantized per output channel from the checkpoint's own weights
+                return ops.quantize_weight(ops.upload(concat_rows([w(n + ".weight") for n in names])))
+            q = concat_rows([w(n + ".weight") for n in names])
+            scales = [(n, weights[f"{n}.{fp8.scale_name}"], w(n + ".weight").shape[0]) for n in names]
+            return ops.upload_fp8(q, concat_scales(fp8, scales))
+
+        return _Layer(
+            qkv=projection([a + "q_proj", a + "k_proj", a + "v_proj"]),
+            qkv_bias=self._qkv_bias(a, w),
+            q_norm=ops.upload(w(a + "q_norm.weight")) if cfg.qk_norm else None,
+            k_norm=ops.upload(w(a + "k_norm.weight")) if cfg.qk_norm else None,
+            o_proj=projection([a + "o_proj"]),
+            gate_up=projection([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            down=projection([p + "mlp.down_proj"]),
+            input_norm=ops.upload(w(p + "input_layernorm.weight")),
+            post_norm=ops.upload(w(p + "post_attention_layernorm.weight")),
+        )
 
     # ---- KV cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[Array, Array]]:
@@ -130,9 +176,13 @@ class Transformer:
         # layer's other outputs reuse one arena region after it.
         r = ops.embed(batch.input_ids, self.embed)
         start = _arena_mark(ops)
+        group = None if self.fp8 is None else self.fp8.activation_group
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             if start is not None:
                 ops.arena_reset(start)
+            if self.fp8 is not None:
+                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, attention, group)
+                continue
             qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
             k = qkv[:, q_end:k_end].reshape(t, hk, d)
@@ -147,6 +197,27 @@ class Transformer:
             gate_up = ops.linear(r, layer.gate_up, None)
             ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
         return r
+
+    def _fp8_layer_forward(self, layer: _Layer, r: Array, batch: ForwardBatch, k_cache: Array, v_cache: Array,
+                           attention: Callable[..., Array], group: int | None) -> None:
+        """One layer on fp8 weights, the residual stream r updated in place."""
+        cfg, ops = self.cfg, self.ops
+        t = batch.input_ids.shape[0]
+        hq, hk, d = self.split.heads, self.split.kv_heads, cfg.head_dim
+        q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
+        eps = cfg.rms_norm_eps
+        qkv = ops.linear_fp8(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv, None)
+        q = qkv[:, :q_end].reshape(t, hq, d)
+        k = qkv[:, q_end:k_end].reshape(t, hk, d)
+        v = qkv[:, k_end:].reshape(t, hk, d)
+        ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
+                                  k_cache, v_cache, batch.slot_mapping, rms_of=None, bias=layer.qkv_bias)
+        o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                      self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
+                      follows_kv_write=True)
+        ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r)
+        gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None)
+        ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r)
 
     def head(self, r: Array, logits_indices: Array) -> Any:
         """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
