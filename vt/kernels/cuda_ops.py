@@ -1,25 +1,26 @@
 """The CUDA backend: bf16 weights and activations, RawKernels from the *.cu files, cuBLAS GEMMs.
 
 CudaBackend is the core (cuda_core.py: kernels, memory, slots, graphs) with every op family's
-launchers, each beside its kernels: elementwise.py, attention.py, sampling.py, gemm.py.
+launchers, each beside its kernels: elementwise.py, attention.py, sampling.py, gemm.py, fp8.py.
 """
 
 from __future__ import annotations
 
-from vt.kernels import attention, elementwise, sampling
+from vt.kernels import attention, elementwise, fp8, sampling
 from vt.kernels.attention import AttentionOps, requested_prefill_tiling
 from vt.kernels.elementwise import ElementwiseOps
+from vt.kernels.fp8 import Fp8Ops
 from vt.kernels.gemm import GemmOps
 from vt.kernels.sampling import SamplingOps
 
 
-class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps):
+class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     """base.Backend on one GPU; prefill_tiling (or VT_PREFILL_TILING) picks the prompt attention
     tiling (attention_plan.PREFILL_TILINGS)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None) -> None:
         requested = requested_prefill_tiling(prefill_tiling)
-        kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS}
+        kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)
         self._init_attention(requested)
