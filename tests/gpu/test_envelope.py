@@ -88,7 +88,7 @@ def test_every_length_serves_with_graphs_equal_to_eager(checkpoint: Path, worklo
     graphs, routes = _run(checkpoint, rounds, eager=False, logprobs=None)
     eager, eager_routes = _run(checkpoint, rounds, eager=True, logprobs=TOP)
     assert set(eager_routes) == {"eager"}
-    assert routes.get("graph", 0) > 0 and routes.get("pieces", 0) > 0, routes
+    assert routes.get("graph", 0) > 0 and routes.get("layer_graphs", 0) > 0, routes
     lengths = [len(p) for prompts in rounds for p in prompts]
     for n, (got, _), (want, tops) in zip(lengths, graphs, eager, strict=True):
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)

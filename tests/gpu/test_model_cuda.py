@@ -126,10 +126,10 @@ def test_sync_equals_async_on_gpu_with_preemption(checkpoint: Path, reference: d
     assert outs[0] == [reference["bf16"][i] for i in usable] * 8
 
 
-def test_piecewise_graph_steps_equal_eager(checkpoint: Path, reference: dict) -> None:
-    """Prefill, chunked-prefill-beside-decode and logprobs steps replay piecewise graphs (attention
-    launched between the pieces, tokens padded to the captured count): the same greedy tokens as
-    with every step eager, and as transformers."""
+def test_layer_graph_steps_equal_eager(checkpoint: Path, reference: dict) -> None:
+    """Prefill, chunked-prefill-beside-decode and logprobs steps replay per-layer graphs (attention
+    launched between the layer graphs, tokens padded to the captured count): the same greedy
+    tokens as with every step eager, and as transformers."""
     from vt.llm import LLM
     from vt.sampling_params import SamplingParams
 
@@ -150,4 +150,4 @@ def test_piecewise_graph_steps_equal_eager(checkpoint: Path, reference: dict) ->
     assert outs[1] == outs[0]
     assert outs[1] == [reference["bf16"][i] for i in usable] * 6
     assert set(routes[0]) == {"eager"}
-    assert routes[1].get("pieces", 0) > 0 and routes[1].get("graph", 0) > 0, routes[1]
+    assert routes[1].get("layer_graphs", 0) > 0 and routes[1].get("graph", 0) > 0, routes[1]

@@ -1,6 +1,6 @@
 """Structured outputs on the GPU: guided requests beside free ones, graphs on, two steps deep.
 
-Guided steps take the piecewise-graph route and, at depth 2, sample only once the previous
+Guided steps take the graph routes and, at depth 2, sample only once the previous
 step's tokens have advanced the grammars (runner.deferred_samples); every guided output must
 follow its grammar. bf16 batches of other shapes may round a close call differently, so depth 1
 and depth 2 are compared on what cannot depend on rounding: every output is valid either way.

@@ -25,8 +25,8 @@ from vt.kernels.attention_plan import (
 from vt.kernels.numpy_ops import NumpyBackend
 from vt.llm import LLM
 from vt.model.make_model import make_model
-from vt.runner.memory_plan import plan_step_memory, step_arena_bytes
-from vt.runner.runner import ModelRunner, StartupMemoryError
+from vt.runner.memory_plan import StartupMemoryError, plan_step_memory, step_arena_bytes
+from vt.runner.runner import ModelRunner
 from vt.sampling_params import SamplingParams
 
 

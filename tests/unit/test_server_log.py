@@ -82,7 +82,7 @@ def test_startup_summary_names_captured_graphs_on_cuda():
     mc = ModelConfig.from_dict(hf_config("qwen3", PRESETS["0.6b"], 151936, 0, 1))
     graphs = {(slot, size): None for slot in (0, 1) for size in (1, 2, 4)}
     runner = SimpleNamespace(num_blocks=1000, use_graphs=True, graphs=graphs, graph_sizes=(1, 2, 4),
-                             pieces={(0, 16): None, (1, 16): None})
+                             layer_graphs={(0, 16): None, (1, 16): None})
     cfg = EngineConfig(model="/models/Qwen3-0.6B", block_size=16)
     engine = SimpleNamespace(model_config=mc, runner=runner, config=cfg, ops=SimpleNamespace(name="cuda"),
                              max_model_len=40960, depth=2)

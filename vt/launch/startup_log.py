@@ -59,7 +59,7 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
     ranks = f", {tp} tensor-parallel ranks" if tp > 1 else ""
     if runner.use_graphs:
         graphs = (f"{len(runner.graphs)} decode graphs ({len(runner.graph_sizes)} batch sizes) and "
-                  f"{len(runner.pieces)} piecewise prefill sets captured")
+                  f"{len(runner.layer_graphs)} piecewise prefill sets captured")
     else:
         graphs = "none (eager steps: " + ("--enforce-eager" if cfg.enforce_eager else "numpy backend") + ")"
     lines = [

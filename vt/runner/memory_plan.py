@@ -21,19 +21,24 @@ Every term is monotone in tokens, sequences and logprobs, so the step of
 max(max_num_batched_tokens, max_num_seqs) tokens over max_num_seqs sequences, each sampled with
 MAX_LOGPROBS top logprobs, bounds every step: a step never has more tokens (the scheduler's
 budget; chunked or not, a prompt longer than the budget is refused at admission), more sequences,
-or more logprobs. Decode graphs and piecewise graphs are captured for sizes within those bounds
+or more logprobs. Decode graphs and per-layer graphs are captured for sizes within those bounds
 and replay the same allocations.
+
+The KV cache gets what is left (reserve_step_memory first, then kv_cache_blocks); where the
+card cannot hold the step or one sequence of --max-model-len, start-up fails with a
+StartupMemoryError naming the flags to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vt.config import ModelConfig
+from vt.config import EngineConfig, ModelConfig
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import MAX_KEY_SPLITS, attention_partial_bytes
-from vt.kernels.base import prologue_fused
+from vt.kernels.base import Backend, prologue_fused
 from vt.model.shard import TensorSplit
+from vt.model.transformer import Transformer
 from vt.sampling_params import MAX_LOGPROBS
 
 ACT_BYTES = 2  # bf16 activations on CUDA; the numpy ledger counts them at this size too
@@ -41,6 +46,12 @@ ACT_BYTES = 2  # bf16 activations on CUDA; the numpy ledger counts them at this 
 # to spread its keys over the whole chip (a few MiB at 8B shapes); launches that would need more
 # take fewer splits.
 ATTENTION_PARTIALS_MAX = 64 << 20
+# Device memory kept free for the captured graphs when the KV cache is sized from what is left.
+GRAPH_RESERVE = 512 << 20
+
+
+class StartupMemoryError(ValueError):
+    """The flags ask for more device memory than the card has left; the message names them."""
 
 
 @dataclass(frozen=True)
@@ -98,3 +109,87 @@ def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs:
     return StepMemory(tokens=tokens, seqs=seqs,
                       arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size),
                       attention_partials_bytes=partials)
+
+
+def reserve_step_memory(ops: Backend, cfg: EngineConfig, plan: StepMemory) -> None:
+    """Reserve every slot's step memory, or refuse to start, naming the flags that size it."""
+    need = ops.num_slots() * plan.per_slot_bytes
+    advice = (f"the largest step these flags allow ({plan.tokens} tokens over {plan.seqs} sequences: "
+              f"--max-num-batched-tokens {cfg.max_num_batched_tokens}, --max-num-seqs "
+              f"{cfg.max_num_seqs}) needs {need / 2**30:.2f} GiB of step memory")
+    if ops.name == "cuda" and hasattr(ops, "mem_info"):
+        free, total = ops.mem_info()
+        allowed = free - total * (1.0 - cfg.gpu_memory_utilization)
+        if need > allowed:
+            raise StartupMemoryError(
+                f"{advice}, but only {max(allowed, 0) / 2**30:.2f} GiB is left after the weights "
+                f"within --gpu-memory-utilization {cfg.gpu_memory_utilization}; lower "
+                f"--max-num-batched-tokens or --max-num-seqs")
+    try:
+        ops.ensure_workspace(plan.arena_bytes, plan.attention_partials_bytes)
+    except MemoryError as e:
+        raise StartupMemoryError(f"{advice} and the device could not provide it ({e}); lower "
+                                 f"--max-num-batched-tokens or --max-num-seqs") from None
+
+
+def kv_cache_blocks(ops: Backend, cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> int:
+    """KV blocks: explicit (--num-gpu-blocks, --kv-cache-memory) or what the device has left
+    within --gpu-memory-utilization once weights, step memory and sampler rows are taken."""
+    tp = cfg.tensor_parallel_size  # the budget and the block sizes are one rank's
+    max_blocks = -(-max_model_len // cfg.block_size)  # one sequence of max_model_len
+    dtype_bytes = 2 if ops.name == "cuda" else 4
+    per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp)
+    if cfg.num_gpu_blocks is not None:
+        if cfg.num_gpu_blocks < 1:
+            raise ValueError("--num-gpu-blocks must be at least 1")
+        return cfg.num_gpu_blocks
+    from_memory = cfg.kv_cache_memory is None and ops.name == "cuda" and hasattr(ops, "mem_info")
+    if cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    elif from_memory:
+        free, total = ops.mem_info()
+        graphs = 0 if cfg.enforce_eager else GRAPH_RESERVE
+        budget = int(free - total * (1.0 - cfg.gpu_memory_utilization) - graphs)
+    else:
+        # CPU: enough for every sequence at full length, capped at 1 GiB but never below one.
+        need = cfg.max_num_seqs * max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4, tp)
+        budget = max(min(need, 1024**3), max_blocks * per_block)
+    # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
+    # nothing but a longer free list.
+    useful = 2 * cfg.max_num_seqs * max_blocks
+    blocks = min(max(budget, 0) // per_block, useful)
+    if from_memory and blocks < max_blocks:
+        raise StartupMemoryError(
+            f"the KV cache gets {max(budget, 0) / 2**30:.2f} GiB ({blocks} blocks of {cfg.block_size} "
+            f"tokens), less than one sequence of --max-model-len {max_model_len} needs "
+            f"({max_blocks} blocks, {max_blocks * per_block / 2**30:.2f} GiB); raise "
+            f"--gpu-memory-utilization or lower --max-model-len, --max-num-batched-tokens or "
+            f"--max-num-seqs")
+    if blocks < 1:
+        raise StartupMemoryError(f"no memory left for the KV cache ({budget} bytes, {per_block} bytes a "
+                                 f"block)")
+    return int(blocks)
+
+
+def check_serves_full_context(cfg: EngineConfig, max_model_len: int, num_blocks: int) -> None:
+    """Refuse to serve (StartupMemoryError naming the flags) where a request within
+    --max-model-len could still never run: a KV cache smaller than one sequence of that
+    length, or, without chunked prefill, a step too small for one such prompt."""
+    bs, mml = cfg.block_size, max_model_len
+    max_blocks = -(-mml // bs)
+    if num_blocks < max_blocks:
+        if cfg.num_gpu_blocks is not None:
+            more = f"raise --num-gpu-blocks to at least {max_blocks}"
+        elif cfg.kv_cache_memory is not None:
+            more = "raise --kv-cache-memory"
+        else:
+            more = "raise --gpu-memory-utilization"
+        raise StartupMemoryError(
+            f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than "
+            f"one sequence of --max-model-len {mml} needs ({max_blocks} blocks); lower "
+            f"--max-model-len to at most {num_blocks * bs}, or {more}")
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < mml:
+        raise StartupMemoryError(
+            f"without chunked prefill a prompt must fit one step, and --max-num-batched-tokens "
+            f"{cfg.max_num_batched_tokens} is less than --max-model-len {mml}; raise "
+            f"--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill")
