@@ -758,7 +758,8 @@ def test_render_metrics_histogram_and_labels():
 @pytest.mark.parametrize("text", ["", "Hel", ' "quoted" \\ back', "鱻🦀\u2028\x00\x1f\t\n",
                                   "\x00vt-text\x00"])
 def test_plain_token_events_are_byte_for_byte_the_general_ones(text):
-    from vt.http.openai_api import _sse, _TextEvents
+    from vt.http.sse import TextEvents as _TextEvents
+    from vt.http.sse import sse_event as _sse
 
     def event(index, t):
         return {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": MODEL,

@@ -34,9 +34,10 @@ class PromptTokenizer(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template: Any) -> str:
-        """The prompt text of a chat; `template` holds JSON values a request sent (tools,
-        chat_template_kwargs) and the template controls."""
+                            **template: Any) -> str | list[int]:
+        """The prompt text of a chat (or its token ids, where rendering tokenizes too);
+        `template` holds JSON values a request sent (tools, chat_template_kwargs) and the
+        template controls."""
         ...
 
 

@@ -133,16 +133,17 @@ class PromptPreparer:
         return await self.run(work, len(text))
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          **template: Any) -> str:
-        """The chat template's text for messages, bounded in time, memory and length; `template`
-        holds the tokenizer's other rendering controls (tools, chat_template, variables, ...)."""
-        tok = self.tokenizer
+                          **template: Any) -> str | list[int]:
+        """The chat template's text (or token ids) for messages, bounded in time, memory and
+        length; `template` holds the tokenizer's other rendering controls (tools, chat_template,
+        variables, ...)."""
+        tokenizer = self.tokenizer
 
-        def work() -> str:
+        def work() -> str | list[int]:
             try:
                 rendered = run_bounded(
-                    lambda: tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    **template),
+                    lambda: tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=add_generation_prompt, **template),
                     TEMPLATE_TIMEOUT_S, TEMPLATE_MAX_GROWTH)
             except RecursionError:
                 raise ProtocolError("chat template failed: it recursed too deep", "messages") from None

@@ -1,0 +1,121 @@
+"""POST /v1/completions: prompts (texts or token ids) in, n choices each, whole or streamed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vt.engine.admission import check_params, check_priority
+from vt.engine.outputs import RequestOutput
+from vt.http.chat_body import fields_given
+from vt.http.choices import collect, usage
+from vt.http.generation import Generation, Launch
+from vt.http.json_response import json_body
+from vt.http.logprobs import Logprobs
+from vt.http.messages import HttpRequest, Response, StreamResponse
+from vt.http.protocol import (
+    CompletionRequest,
+    ProtocolError,
+    get_bool,
+    parse_completion_request,
+    parse_json_object,
+)
+from vt.http.route_context import RouteContext
+from vt.http.sse import DONE, StreamEvents, TextEvents, error_event, nothing_new, sse_event, stream_response
+from vt.http.structured_fields import constrain, parse_structured_fields
+
+
+class CompletionRoute:
+    def __init__(self, context: RouteContext, generation: Generation, logprobs: Logprobs) -> None:
+        self._context = context
+        self._generation = generation
+        self._logprobs = logprobs
+
+    async def handle(self, http_request: HttpRequest) -> Response | StreamResponse:
+        context, generation = self._context, self._generation
+        engine = context.engine
+        body = parse_json_object(http_request.body)
+        request = generation.with_defaults(parse_completion_request(body, engine.max_model_len),
+                                           fields_given(body), "logprobs")
+        context.check_model(request.model)
+        limits = engine.limits
+        # before the prompt work, which can be large
+        check_params(request.params, limits, num_prompts=len(request.prompts))
+        check_priority(request.priority, limits)
+        field = parse_structured_fields(body)
+        add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
+        prompts = [generation.truncate(await self._prompt_ids(prompt, add_special), request)
+                   for prompt in request.prompts]
+        max_tokens = generation.fit(prompts, request, limits, body.get("max_tokens") is not None, "prompt",
+                                    "max_tokens")
+        request = dataclasses.replace(request, params=await constrain(engine, request.params, field))
+        num_prompt_tokens = sum(map(len, prompts))
+        launch = generation.launch("cmpl", prompts, request, max_tokens)
+        if request.stream:
+            return stream_response(engine, launch.streams, self._events(launch, request, num_prompt_tokens))
+        await collect(http_request, launch.streams, launch.choices)
+        want_logprobs = request.params.logprobs is not None
+        return json_body({
+            "id": launch.response_id, "object": "text_completion", "created": launch.created,
+            "model": context.served_model_name,
+            "choices": [{
+                "index": c.index, "text": "".join(c.text),
+                "logprobs": (self._logprobs.completion(c.logprobs, c, request.tokens_as_ids, lazy=True)
+                             if want_logprobs else None),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            } for c in launch.choices],
+            "usage": usage(num_prompt_tokens, launch.choices),
+        })
+
+    async def _prompt_ids(self, prompt: str | tuple[int, ...], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            ids = await self._context.prompts.encode(prompt, "prompt", add_special_tokens=add_special_tokens)
+        else:
+            self._context.check_token_ids(prompt, "prompt")
+            ids = list(prompt)
+        if not ids:
+            raise ProtocolError("the prompt encodes to no tokens", "prompt")
+        return ids
+
+    def _events(self, launch: Launch, request: CompletionRequest, num_prompt_tokens: int) -> StreamEvents:
+        want_logprobs, as_ids = request.params.logprobs is not None, request.tokens_as_ids
+        choices = launch.choices
+        head = {"id": launch.response_id, "object": "text_completion", "created": launch.created,
+                "model": self._context.served_model_name}
+
+        def plain(index: int, text: str) -> dict[str, Any]:
+            event = {**head, "choices": [{"index": index, "text": text, "logprobs": None,
+                                          "finish_reason": None, "stop_reason": None}]}
+            if request.include_usage:
+                event["usage"] = None
+            return event
+
+        plain_event = TextEvents(plain)
+
+        def output(i: int, out: RequestOutput) -> list[bytes]:
+            choice = choices[i]
+            choice.update(out)
+            if not out.finished and not want_logprobs and (out.text or out.token_ids):
+                return [plain_event(i, out.text)]
+            if out.finished and out.finish_reason == "error":
+                return [error_event(out), DONE]
+            if nothing_new(out):
+                return []
+            shaped = {
+                "index": i, "text": out.text,
+                "logprobs": (self._logprobs.completion(list(out.logprobs or ()), choice, as_ids)
+                             if want_logprobs else None),
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
+            chunk = {**head, "choices": [shaped]}
+            if request.include_usage:
+                chunk["usage"] = None
+            return [sse_event(chunk)]
+
+        def last() -> list[bytes]:
+            if not request.include_usage:
+                return [DONE]
+            return [sse_event({**head, "choices": [], "usage": usage(num_prompt_tokens, choices)}), DONE]
+
+        return StreamEvents([], output, last)

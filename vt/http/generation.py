@@ -1,0 +1,126 @@
+"""What the completions and chat routes share: the model's sampling defaults, the fit of prompt
+and output in the context, prompt truncation, and starting the engine requests of one call."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import TypeVar
+
+from vt.engine.admission import AdmissionLimits, fit_context
+from vt.engine.outputs import EngineDeadError, PromptTooLongError, QueueFullError, RequestStream
+from vt.http.choices import Choice
+from vt.http.errors import HttpError
+from vt.http.protocol import GenerationRequest, ProtocolError, params_for_choice
+from vt.http.route_context import RouteContext
+from vt.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger("vt.http")
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+
+
+def engine_error(error: Exception) -> HttpError | None:
+    """add_request's errors as HTTP errors (None: not the request's fault, a 500)."""
+    if isinstance(error, PromptTooLongError):
+        return HttpError(400, str(error))
+    if isinstance(error, QueueFullError):
+        return HttpError(503, str(error) or "the waiting queue is full; retry later", type="server_busy",
+                         headers=[("retry-after", "1")])
+    if isinstance(error, EngineDeadError):
+        return HttpError(503, str(error) or "the engine has stopped", type="service_unavailable")
+    if isinstance(error, ValueError):
+        return HttpError(400, str(error), param=getattr(error, "param", None))
+    return None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The engine requests of one API call: choice k is streams[k]."""
+
+    response_id: str
+    created: int
+    streams: list[RequestStream]
+    choices: list[Choice]
+
+
+class Generation:
+    def __init__(self, context: RouteContext) -> None:
+        self._context = context
+
+    def with_defaults(self, request: RequestT, given: Container[str], logprobs_param: str) -> RequestT:
+        """The parsed request with the model's sampling defaults (for the fields not `given`) and
+        the server's logprobs cap."""
+        options = self._context.options
+        try:
+            params = options.sampling_defaults.apply(request.params, given.__contains__)
+        except SamplingParamsError as e:
+            raise ProtocolError(f"{e} (with the model's generation_config.json defaults)", e.param) from None
+        cap = options.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:
+            raise ProtocolError(f"'{logprobs_param}' asks for {params.logprobs} logprobs; this server "
+                                f"returns at most {cap} (--max-logprobs)", logprobs_param)
+        return dataclasses.replace(request, params=params)
+
+    @staticmethod
+    def fit(prompts: list[list[int]], request: GenerationRequest, limits: AdmissionLimits,
+            max_tokens_given: bool, prompt_param: str, max_tokens_param: str) -> list[int | None]:
+        """Each prompt's max_tokens, checked against the context and the KV cache (a 400 naming
+        the prompt or the max_tokens field); before the engine sees the request."""
+        return [fit_context(len(p), request.params, limits, max_tokens_given=max_tokens_given,
+                            prompt_param=prompt_param, max_tokens_param=max_tokens_param).max_tokens
+                for p in prompts]
+
+    def truncate(self, ids: list[int], request: GenerationRequest) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the maximum context)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        max_model_len = self._context.engine.max_model_len
+        if k > max_model_len:
+            raise ProtocolError(f"'truncate_prompt_tokens' ({k}) is greater than this model's maximum "
+                                f"context length ({max_model_len})", "truncate_prompt_tokens")
+        return ids[-(max_model_len if k == -1 else k):]
+
+    def launch(self, prefix: str, prompts: list[list[int]], request: GenerationRequest,
+               max_tokens: list[int | None]) -> Launch:
+        """Start the engine requests of one API call, n per prompt, choice index prompt * n + sample
+        as OpenAI and vLLM number them, with each prompt's max_tokens from fit()."""
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        count = len(prompts) * request.params.n
+        request_ids = [response_id] if count == 1 else [f"{response_id}-{i}" for i in range(count)]
+        streams = self._start(request_ids, prompts, request, max_tokens)
+        if self._context.options.log_requests and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: prompt tokens %s, priority %d, %s", response_id, [len(p) for p in prompts],
+                      request.priority, request.params)
+        choices = [Choice(i, request_id) for i, request_id in enumerate(request_ids)]
+        return Launch(response_id, int(time.time()), streams, choices)
+
+    def _start(self, request_ids: list[str], prompts: list[list[int]], request: GenerationRequest,
+               max_tokens: list[int | None]) -> list[RequestStream]:
+        """Add the n engine requests of each prompt (choice k: prompt k // n, sample k % n); on any
+        failure abort the ones already added."""
+        if self._context.draining:
+            raise HttpError(503, "the server is shutting down; retry on another replica",
+                            type="service_unavailable", headers=[("retry-after", "1")])
+        engine = self._context.engine
+        streams: list[RequestStream] = []
+        asked, priority = request.params, request.priority
+        n = asked.n
+        per_prompt: list[SamplingParams] = [
+            asked if m == asked.max_tokens else dataclasses.replace(asked, max_tokens=m) for m in max_tokens]
+        try:
+            for k, request_id in enumerate(request_ids):
+                params = params_for_choice(per_prompt[k // n], k % n)
+                streams.append(engine.add_request(request_id, prompts[k // n], params, priority=priority))
+        except Exception as e:
+            for request_id in request_ids[:len(streams)]:
+                engine.abort(request_id)
+            mapped = engine_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return streams
