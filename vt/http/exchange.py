@@ -143,8 +143,10 @@ async def close_chunks(chunks: object) -> None:
 class Responder:
     """The worker of one connection: answers its queued requests strictly in order."""
 
-    def __init__(self, server: HttpServer, flow: FlowControl, connection: ConnectionSide) -> None:
+    def __init__(self, server: HttpServer, flow: FlowControl, connection: ConnectionSide,
+                 max_pipelined: int) -> None:
         self._server = server
+        self._max_pipelined = max_pipelined  # below this many queued, a paused connection reads again
         self._flow = flow
         self._connection = connection
         self._queue: deque[QueuedRequest | Rejection] = deque()
@@ -201,7 +203,7 @@ class Responder:
         try:
             while self._queue and not flow.closed:
                 item = self._queue.popleft()
-                if flow.reading_paused and len(self._queue) < self._server.limits.max_pipelined:
+                if flow.reading_paused and len(self._queue) < self._max_pipelined:
                     connection.resume_reading()
                 if isinstance(item, Rejection):
                     self._reject(item)

@@ -119,7 +119,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._client: tuple | None = None
         self._flow = FlowControl(self._limits.write_timeout_s, self._cut_stalled)
-        self._responder = Responder(server, self._flow, self)
+        self._responder = Responder(server, self._flow, self, self._limits.max_pipelined)
         # The message being parsed.
         self._url = bytearray()
         self._raw_headers: list[tuple[bytes, bytes]] = []
