@@ -29,10 +29,10 @@ class ChatTemplateOptions:
 
 
 def _read(source: dict[str, Any], name: str, param: str, kind: type, what: str) -> Any:
-    v = source.get(name)
-    if v is not None and not isinstance(v, kind):
-        raise ProtocolError(f"'{name}' must be {what}, got {v!r}", param)
-    return v
+    value = source.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise ProtocolError(f"'{name}' must be {what}, got {value!r}", param)
+    return value
 
 
 def parse_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
@@ -63,4 +63,4 @@ def parse_template_options(body: dict[str, Any]) -> ChatTemplateOptions:
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
         add_special_tokens=bool(add_special), chat_template=values["chat_template"],
         tools=tuple(tools) if tools is not None else None,
-        variables={k: v for k, v in kwargs.items() if k not in _CONTROLS})
+        variables={name: value for name, value in kwargs.items() if name not in _CONTROLS})

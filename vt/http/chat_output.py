@@ -66,12 +66,13 @@ def chat_constraint(field: StructuredField | None, tools: ToolPlan) -> Structure
 def _merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per call index: a call's pieces within one chunk joined."""
     merged: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        cur = merged.get(d["index"])
-        if cur is None:
-            merged[d["index"]] = {**d, "function": dict(d["function"])}
+    for delta in deltas:
+        call = merged.get(delta["index"])
+        if call is None:
+            merged[delta["index"]] = {**delta, "function": dict(delta["function"])}
         else:
-            cur["function"]["arguments"] = cur["function"].get("arguments", "") + d["function"]["arguments"]
+            function = call["function"]
+            function["arguments"] = function.get("arguments", "") + delta["function"]["arguments"]
     return list(merged.values())
 
 
@@ -86,8 +87,8 @@ class ChoiceShaper:
         """The streamed delta of one output's text (the last one flushes what was held back)."""
         reasoning, content = self._reasoning.push(text) if self._reasoning is not None else ("", text)
         if finished and self._reasoning is not None:
-            r, c = self._reasoning.finish()
-            reasoning, content = reasoning + r, content + c
+            held_reasoning, held_content = self._reasoning.finish()
+            reasoning, content = reasoning + held_reasoning, content + held_content
         calls: list[dict[str, Any]] = []
         if self._tools is not None:
             content, calls = self._tools.push(content)

@@ -56,11 +56,11 @@ def _pieces(obj: Any) -> Iterator[bytes]:
 def json_chunks(obj: Any, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The JSON text of obj (dicts, lists, LazyLists, orjson-serialisable leaves) in pieces of
     about chunk_bytes; joined, they equal orjson.dumps of the materialized object."""
-    buf = bytearray()
+    pending = bytearray()
     for piece in _pieces(obj):
-        buf += piece
-        if len(buf) >= chunk_bytes:
-            yield bytes(buf)
-            buf.clear()
-    if buf:
-        yield bytes(buf)
+        pending += piece
+        if len(pending) >= chunk_bytes:
+            yield bytes(pending)
+            pending.clear()
+    if pending:
+        yield bytes(pending)

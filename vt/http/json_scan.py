@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import orjson
 
-_WS = " \t\r\n"
+_WHITESPACE = " \t\r\n"
 
 
 class ObjectScanner:
@@ -73,11 +73,11 @@ class ObjectScanner:
                     self._end_value(i + 1)
             return
         if self._scalar:
-            if c not in _WS and c not in ",}":
+            if c not in _WHITESPACE and c not in ",}":
                 return
             self._scalar = False
             self._end_value(i)
-        if c in _WS:
+        if c in _WHITESPACE:
             return
         if self._depth >= 2:  # inside a nested value: only its nesting matters
             if c == '"':

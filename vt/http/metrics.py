@@ -38,15 +38,15 @@ def _escape(value: str) -> str:
 
 
 def _labels(pairs: Mapping[str, str]) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items()) + "}"
+    return "{" + ",".join(f'{name}="{_escape(value)}"' for name, value in pairs.items()) + "}"
 
 
-def _num(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
+def _num(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
 
 
 class _Writer:
@@ -68,8 +68,8 @@ class _Writer:
 
 
 def _finish_reasons(stats: EngineStats) -> list[str]:
-    return list(FINISH_REASONS) + sorted(str(r) for r in stats.request_success_total
-                                         if r not in FINISH_REASONS)
+    return list(FINISH_REASONS) + sorted(str(reason) for reason in stats.request_success_total
+                                         if reason not in FINISH_REASONS)
 
 
 def render_metrics(stats: EngineStats, model_name: str,

@@ -50,8 +50,8 @@ def _rss_bytes() -> int:
         return 0  # no /proc: only the clock bounds the template
 
 
-def run_bounded(fn: Callable[[], T], timeout_s: float, max_growth: int) -> T:
-    """Run fn in this thread, raising TemplateLimitError from inside it once it has run for
+def run_bounded(work: Callable[[], T], timeout_s: float, max_growth: int) -> T:
+    """Run work in this thread, raising TemplateLimitError from inside it once it has run for
     timeout_s or the process has grown by max_growth bytes. Python code only: a single long
     C call is checked when it returns."""
     start = time.monotonic()
@@ -73,7 +73,7 @@ def run_bounded(fn: Callable[[], T], timeout_s: float, max_growth: int) -> T:
 
     sys.settrace(tracer)
     try:
-        return fn()
+        return work()
     finally:
         sys.settrace(None)
 
@@ -116,12 +116,12 @@ class PromptPreparer:
                 f"context can hold (no token spells more than {self._token_chars} characters); "
                 f"this model's maximum context length is {self.max_model_len} tokens", param)
 
-    async def _off_loop(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
-    async def run(self, fn: Callable[[], T], size: int) -> T:
-        """fn() on the loop when `size` (characters, tokens) is small, else in a worker thread."""
-        return fn() if size <= INLINE_CHARS else await self._off_loop(fn)
+    async def run(self, work: Callable[[], T], size: int) -> T:
+        """work() on the loop when `size` (characters, tokens) is small, else in a worker thread."""
+        return work() if size <= INLINE_CHARS else await self._off_loop(work)
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; text that cannot fit is refused untokenized."""

@@ -67,87 +67,87 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 # --- typed field readers: null means "not given", as OpenAI clients send it ---
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def get_int(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
+    value = body.get(name)
+    if value is None:
         return default
-    if not _is_int(v):
+    if not _is_int(value):
         # JSON integers past 64 bits reach us as floats (rounded): say so, not "not an integer"
-        if isinstance(v, float) and (v >= 2**64 or v <= -2**63):
-            raise ProtocolError(f"'{name}' is out of range, got {preview(v)}", name)
-        raise ProtocolError(f"'{name}' must be an integer, got {preview(v)}", name)
-    return v
+        if isinstance(value, float) and (value >= 2**64 or value <= -2**63):
+            raise ProtocolError(f"'{name}' is out of range, got {preview(value)}", name)
+        raise ProtocolError(f"'{name}' must be an integer, got {preview(value)}", name)
+    return value
 
 
 def get_float(body: dict[str, Any], name: str, default: float | None = None) -> float | None:
-    v = body.get(name)
-    if v is None:
+    value = body.get(name)
+    if value is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"'{name}' must be a number, got {preview(v)}", name)
-    return float(v)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"'{name}' must be a number, got {preview(value)}", name)
+    return float(value)
 
 
 def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
+    value = body.get(name)
+    if value is None:
         return default
-    if not isinstance(v, bool):
-        raise ProtocolError(f"'{name}' must be a boolean, got {preview(v)}", name)
-    return v
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be a boolean, got {preview(value)}", name)
+    return value
 
 
 def get_str(body: dict[str, Any], name: str) -> str | None:
-    v = body.get(name)
-    if v is None:
+    value = body.get(name)
+    if value is None:
         return None
-    if not isinstance(v, str):
-        raise ProtocolError(f"'{name}' must be a string, got {preview(v)}", name)
-    return v
+    if not isinstance(value, str):
+        raise ProtocolError(f"'{name}' must be a string, got {preview(value)}", name)
+    return value
 
 
 def _get_stop(body: dict[str, Any]) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
+    value = body.get("stop")
+    if value is None:
         return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise ProtocolError("'stop' must be a string or a list of strings", "stop")
-    return tuple(v)
+    return tuple(value)
 
 
 def _get_token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
-    v = body.get(name)
-    if v is None:
+    value = body.get(name)
+    if value is None:
         return ()
-    if not isinstance(v, list) or not all(_is_int(i) for i in v):
+    if not isinstance(value, list) or not all(_is_int(i) for i in value):
         raise ProtocolError(f"'{name}' must be a list of integers", name)
-    return tuple(v)
+    return tuple(value)
 
 
 def _get_logit_bias(body: dict[str, Any]) -> dict[str, Any] | None:
-    v = body.get("logit_bias")
-    if v is None or v == {}:
+    value = body.get("logit_bias")
+    if value is None or value == {}:
         return None
-    if not isinstance(v, dict):
+    if not isinstance(value, dict):
         raise ProtocolError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    return v
+    return value
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
+    stream_options = body.get("stream_options")
+    if stream_options is None:
         return False
-    if not isinstance(opts, dict):
+    if not isinstance(stream_options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
     if not stream:
         raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return get_bool(opts, "include_usage", False)
+    return get_bool(stream_options, "include_usage", False)
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -195,10 +195,10 @@ _UNSUPPORTED_CHAT = {
 }
 
 
-def _asked_for(name: str, v: Any) -> bool:
-    if v is None or v is False or v == "" or v == [] or v == {}:
+def _asked_for(name: str, value: Any) -> bool:
+    if value is None or value is False or value == "" or value == [] or value == {}:
         return False
-    return not (name == "function_call" and v == "none")
+    return not (name == "function_call" and value == "none")
 
 
 def _reject_unsupported(body: dict[str, Any], table: dict[str, str]) -> None:
@@ -234,36 +234,38 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     return common
 
 
-def _parse_one_prompt(v: Any, max_tokens: int | None) -> str | tuple[int, ...] | None:
+def _parse_one_prompt(value: Any, max_tokens: int | None) -> str | tuple[int, ...] | None:
     """A string or a list of token ids; None for anything else. A token list of `max_tokens` or
     more ids (None: no bound) is refused before it is read."""
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list) and v and _is_int(v[0]) and max_tokens is not None and len(v) >= max_tokens:
-        raise ProtocolError(f"the prompt has {len(v)} tokens; this model's maximum context length "
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, list) and value and _is_int(value[0]) and max_tokens is not None
+            and len(value) >= max_tokens):
+        raise ProtocolError(f"the prompt has {len(value)} tokens; this model's maximum context length "
                             f"is {max_tokens} tokens", "prompt")
-    if isinstance(v, list) and v and all(_is_int(i) for i in v):
-        if any(i < 0 for i in v):
+    if isinstance(value, list) and value and all(_is_int(i) for i in value):
+        if any(i < 0 for i in value):
             raise ProtocolError("'prompt' token ids must be >= 0", "prompt")
-        return tuple(v)
+        return tuple(value)
     return None
 
 
-def parse_prompts(v: Any, max_tokens: int | None = None) -> tuple[str | tuple[int, ...], ...]:
+def parse_prompts(value: Any, max_tokens: int | None = None) -> tuple[str | tuple[int, ...], ...]:
     """A completions prompt: a string or a list of token ids, or a batch of them (a list of
     strings or a list of token-id lists)."""
-    if isinstance(v, list) and not v:
+    if isinstance(value, list) and not value:
         raise ProtocolError("'prompt' must not be empty", "prompt")
-    if isinstance(v, str) and not v:
+    if isinstance(value, str) and not value:
         raise ProtocolError("'prompt' must not be empty", "prompt")
-    one = _parse_one_prompt(v, max_tokens)
+    one = _parse_one_prompt(value, max_tokens)
     if one is not None:
         return (one,)
-    if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v)):
-        if len(v) > MAX_PROMPTS:
-            raise ProtocolError(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request",
+    if isinstance(value, list) and (all(isinstance(p, str) for p in value)
+                                    or all(isinstance(p, list) for p in value)):
+        if len(value) > MAX_PROMPTS:
+            raise ProtocolError(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} per request",
                                 "prompt")
-        batch = tuple(_parse_one_prompt(p, max_tokens) for p in v)
+        batch = tuple(_parse_one_prompt(p, max_tokens) for p in value)
         if None not in batch:
             return batch
     raise ProtocolError("'prompt' must be a string, a list of token ids, or a list of strings or of "
@@ -291,13 +293,13 @@ def parse_completion_request(body: dict[str, Any],
     return CompletionRequest(params=params, prompts=prompts, **common)
 
 
-def parse_messages(v: Any) -> tuple[dict[str, Any], ...]:
+def parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
     """Chat messages with text content (list content is joined from its text parts) and the tool
     fields templates read; the `developer` role is `system`, as OpenAI's newer models name it."""
-    if not isinstance(v, list) or not v:
+    if not isinstance(value, list) or not value:
         raise ProtocolError("'messages' must be a non-empty list", "messages")
     out = []
-    for i, m in enumerate(v):
+    for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise ProtocolError(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
@@ -337,13 +339,13 @@ _MESSAGE_FIELDS = {"name": str, "tool_call_id": str, "tool_calls": list, "reason
 def _message_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
     out = {}
     for name, kind in _MESSAGE_FIELDS.items():
-        v = m.get(name)
-        if v is None:
+        value = m.get(name)
+        if value is None:
             continue
-        if not isinstance(v, kind) or (kind is list and not all(isinstance(c, dict) for c in v)):
+        if not isinstance(value, kind) or (kind is list and not all(isinstance(c, dict) for c in value)):
             what = "a list of objects" if kind is list else "a string"
             raise ProtocolError(f"messages[{i}].{name} must be {what}", "messages")
-        out[name] = v
+        out[name] = value
     return out
 
 

@@ -28,11 +28,11 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def json_text(v: Any, param: str) -> str:
-    """v as compact JSON text; a 400 naming param where it nests deeper than the serializer
+def json_text(value: Any, param: str) -> str:
+    """value as compact JSON text; a 400 naming param where it nests deeper than the serializer
     goes (the body parser accepts deeper documents than orjson writes)."""
     try:
-        return orjson.dumps(v).decode()
+        return orjson.dumps(value).decode()
     except TypeError as e:
         raise ProtocolError(f"'{param}' cannot be used: {e} (nested too deep)", param) from None
 
@@ -43,29 +43,29 @@ class StructuredField:
     param: str          # the request field that asked for it (errors name it)
 
 
-def _schema_text(v: Any, param: str) -> str:
+def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object or as its JSON text -> canonical text (key order kept:
     properties are generated in the schema's order)."""
-    if isinstance(v, str):
+    if isinstance(value, str):
         try:
-            v = orjson.loads(v)
+            value = orjson.loads(value)
         except orjson.JSONDecodeError as e:
             raise ProtocolError(f"'{param}' is not valid JSON: {e}", param) from None
-    if not isinstance(v, dict):
+    if not isinstance(value, dict):
         raise ProtocolError(f"'{param}' must be a JSON schema object", param)
-    return json_text(v, param)
+    return json_text(value, param)
 
 
-def _choice_text(v: Any, param: str) -> str:
-    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+def _choice_text(value: Any, param: str) -> str:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise ProtocolError(f"'{param}' must be a non-empty list of non-empty strings", param)
-    return json_text(v, param)
+    return json_text(value, param)
 
 
-def _text(v: Any, param: str) -> str:
-    if not isinstance(v, str) or not v:
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
         raise ProtocolError(f"'{param}' must be a non-empty string", param)
-    return v
+    return value
 
 
 def _spec(kind: str, value: Any, param: str, whitespace: str = DEFAULT_JSON_WHITESPACE,
@@ -83,10 +83,10 @@ def _spec(kind: str, value: Any, param: str, whitespace: str = DEFAULT_JSON_WHIT
 
 def _flag(obj: dict[str, Any], name: str, param: str, where: str | None = None) -> bool:
     """A boolean option of the object at `where` (default: the field itself)."""
-    v = obj.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise ProtocolError(f"'{where or param}.{name}' must be a boolean, got {v!r}", param)
-    return bool(v)
+    value = obj.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(f"'{where or param}.{name}' must be a boolean, got {value!r}", param)
+    return bool(value)
 
 
 def _whitespace(pattern: Any, param: str, none: bool = False) -> str:
@@ -99,51 +99,52 @@ def _whitespace(pattern: Any, param: str, none: bool = False) -> str:
     return pattern
 
 
-def _response_format(v: Any) -> GrammarSpec | None:
+def _response_format(value: Any) -> GrammarSpec | None:
     param = "response_format"
-    if not isinstance(v, dict):
+    if not isinstance(value, dict):
         raise ProtocolError("'response_format' must be an object", param)
-    kind = v.get("type")
+    kind = value.get("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return _spec("json_object", None, param)
     if kind == "json_schema":
-        js = v.get("json_schema")
-        if not isinstance(js, dict):
+        json_schema = value.get("json_schema")
+        if not isinstance(json_schema, dict):
             raise ProtocolError("'response_format.json_schema' must be an object with a 'schema'", param)
-        name = js.get("name")
+        name = json_schema.get("name")
         if not isinstance(name, str) or not name:  # OpenAI's and vLLM's: a schema is named
             raise ProtocolError("'response_format.json_schema.name' is required: a non-empty string", param)
-        schema = js.get("schema")
+        schema = json_schema.get("schema")
         if schema is None:
             raise ProtocolError("'response_format.json_schema.schema' is required", param)
         if not isinstance(schema, dict):  # here an object, not its JSON text (guided_json takes both)
             raise ProtocolError("'response_format.json_schema.schema' must be a JSON schema object", param)
-        return _spec("json", schema, param, strict=_flag(js, "strict", param, "response_format.json_schema"))
+        strict = _flag(json_schema, "strict", param, "response_format.json_schema")
+        return _spec("json", schema, param, strict=strict)
     raise ProtocolError("'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
                         f"{kind!r}", param)
 
 
-def _structured_outputs(v: Any) -> GrammarSpec:
+def _structured_outputs(value: Any) -> GrammarSpec:
     param = "structured_outputs"
-    if not isinstance(v, dict):
+    if not isinstance(value, dict):
         raise ProtocolError("'structured_outputs' must be an object", param)
-    if v.get("structural_tag") is not None:
+    if value.get("structural_tag") is not None:
         raise ProtocolError("'structured_outputs.structural_tag' is not supported", param)
-    given = [k for k in _STRUCTURED_KINDS if v.get(k) is not None and v.get(k) is not False]
+    given = [k for k in _STRUCTURED_KINDS if value.get(k) is not None and value.get(k) is not False]
     if len(given) != 1:
         which = ", ".join(given) if given else "none"
         raise ProtocolError(f"'structured_outputs' needs exactly one of {', '.join(_STRUCTURED_KINDS)} "
                             f"(got {which})", param)
     kind = given[0]
-    if kind == "json_object" and v[kind] is not True:
+    if kind == "json_object" and value[kind] is not True:
         raise ProtocolError("'structured_outputs.json_object' must be true", param)
-    whitespace = _whitespace(v.get("whitespace_pattern"), param,
-                             none=_flag(v, "disable_any_whitespace", param))
-    strict = _flag(v, "disable_additional_properties", param)
-    _flag(v, "disable_fallback", param)  # vt has one grammar engine: nothing to fall back to
-    return _spec(kind, v[kind], f"{param}.{kind}", whitespace, strict)
+    whitespace = _whitespace(value.get("whitespace_pattern"), param,
+                             none=_flag(value, "disable_any_whitespace", param))
+    strict = _flag(value, "disable_additional_properties", param)
+    _flag(value, "disable_fallback", param)  # vt has one grammar engine: nothing to fall back to
+    return _spec(kind, value[kind], f"{param}.{kind}", whitespace, strict)
 
 
 def parse_structured_fields(body: dict[str, Any]) -> StructuredField | None:

@@ -53,18 +53,18 @@ def _check_tools(tools: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     """The function definitions of `tools`; ProtocolError naming `tools` for a malformed one."""
     out = []
     for i, tool in enumerate(tools):
-        fn = tool.get("function")
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise ProtocolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
+        if not isinstance(function.get("name"), str) or not function["name"]:
             raise ProtocolError(f"tools[{i}].function.name must be a non-empty string", "tools")
-        params = fn.get("parameters")
+        params = function.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
             raise ProtocolError(f"tools[{i}].function.strict must be a boolean", "tools")
-        out.append(fn)
-    names = [fn["name"] for fn in out]
+        out.append(function)
+    names = [function["name"] for function in out]
     if len(set(names)) != len(names):
         raise ProtocolError("tools must have distinct function names", "tools")
     return out
@@ -74,26 +74,26 @@ _NOT_OBJECT_ONLY = ("type", "anyOf", "oneOf", "allOf", "not", "$ref", "enum", "c
 _DEFS = ("$defs", "definitions")
 
 
-def _parameters(fn: dict[str, Any]) -> Any:
+def _parameters(function: dict[str, Any]) -> Any:
     """A function's arguments schema. Arguments are always a JSON object (OpenAI's), so no
     parameters (or `{}`) is the empty object, and a schema that says nothing of the type is an
     object schema: left alone, a grammar would also allow `true` or `[1]` as the arguments."""
-    params = fn.get("parameters")
+    params = function.get("parameters")
     if not params:
         return _NO_PARAMETERS
     if not any(k in params for k in _NOT_OBJECT_ONLY):
         params = {**params, "type": "object"}
-    return close_objects(params) if fn.get("strict") else params
+    return close_objects(params) if function.get("strict") else params
 
 
-def _required_schema(fns: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """The array of calls that tool_choice required makes the output. Each function's `$defs`
     (and older `definitions`) move to the array's root, where their `#/$defs/...` references
     resolve once the schema is nested (pydantic writes them for every nested model or enum)."""
     defs: dict[str, dict[str, Any]] = {}
     calls = []
-    for fn in fns:
-        params = _parameters(fn)
+    for function in functions:
+        params = _parameters(function)
         if any(k in params for k in _DEFS):
             params = dict(params)
             for key in _DEFS:
@@ -102,7 +102,8 @@ def _required_schema(fns: list[dict[str, Any]], parallel: bool) -> dict[str, Any
                         raise ProtocolError(f"tools define {key}/{name} differently; tool_choice 'required' "
                                             f"needs one definition of each name", "tools")
         calls.append({"type": "object",
-                      "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+                      "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                     "parameters": params},
                       "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
     if not parallel:
@@ -119,15 +120,15 @@ def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | No
         raise ProtocolError(f"'parallel_tool_calls' must be a boolean, got {parallel!r}",
                             "parallel_tool_calls")
     parallel = parallel is not False
-    fns = _check_tools(tools or ())
-    names = tuple(fn["name"] for fn in fns)
+    functions = _check_tools(tools or ())
+    names = tuple(function["name"] for function in functions)
     choice = body.get("tool_choice")
     if choice is None:  # vLLM's default: auto with tools (a 400 where the server parses none)
-        choice = "auto" if fns else "none"
+        choice = "auto" if functions else "none"
     if choice == "none":
         return ToolPlan("none", names, parallel=parallel)
     if choice == "auto":
-        if not fns:
+        if not functions:
             return ToolPlan("none", parallel=parallel)
         if not auto_tool_choice:
             raise ProtocolError("tool_choice 'auto' (the default when tools are given) needs a server "
@@ -135,21 +136,21 @@ def parse_tool_plan(body: dict[str, Any], tools: tuple[dict[str, Any], ...] | No
                                 "tool_choice 'none' gives the template the tools without parsing calls",
                                 "tool_choice")
         return ToolPlan("auto", names, parallel=parallel)
-    if not fns:
+    if not functions:
         raise ProtocolError("tool_choice other than 'none' or 'auto' needs 'tools'", "tool_choice")
     if choice == "required":
-        spec = GrammarSpec("json", json_text(_required_schema(fns, parallel), "tools"))
+        spec = GrammarSpec("json", json_text(_required_schema(functions, parallel), "tools"))
         return ToolPlan("required", names, parallel=parallel, grammar=spec)
     if isinstance(choice, dict):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
             raise ProtocolError("tool_choice must be 'none', 'auto', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
         if name not in names:
             raise ProtocolError(f"tool_choice names the function {name!r}, which is not in tools",
                                 "tool_choice")
-        target = fns[names.index(name)]
+        target = functions[names.index(name)]
         spec = GrammarSpec("json", json_text(_parameters(target), "tools"))
         return ToolPlan("named", names, named=name, parallel=parallel, grammar=spec)
     raise ProtocolError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
