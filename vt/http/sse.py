@@ -111,7 +111,7 @@ class _SseBody:
         self._set_paused(False)
 
     def _set_paused(self, paused: bool) -> None:
-        """Hold (or release) the engine requests behind a response whose reader fell behind."""
+        """Pause (or resume) the engine requests behind a response whose reader fell behind."""
         for stream in self._streams:
             self._engine.set_paused(stream.request_id, paused)
 
