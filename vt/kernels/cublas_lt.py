@@ -95,15 +95,10 @@ class CublasLtFp8:
         self._check(self._lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), size),
                     f"cublasLtMatmulDescSetAttribute({attr})")
 
-    def supports(self, rows: int, n: int, k: int, block: bool, workspace_bytes: int) -> bool:
-        """Whether cuBLASLt has a kernel for this shape (block scales need larger row counts)."""
-        try:
-            self._plan(rows, n, k, block, workspace_bytes)
-        except RuntimeError:
-            return False
-        return True
-
-    def _plan(self, rows: int, n: int, k: int, block: bool, workspace_bytes: int) -> _Plan:
+    def _plan(self, rows: int, n: int, k: int, block: bool, workspace_bytes: int, w_scale_ptr: int,
+              x_scale_ptr: int) -> _Plan:
+        """The shape's plan, made on its first call (the heuristic wants the scale pointers set:
+        without them it refuses the scaled modes)."""
         key = (rows, n, k, block, workspace_bytes)
         plan = self._plans.get(key)
         if plan is not None:
@@ -118,6 +113,8 @@ class CublasLtFp8:
         self._set(desc, _DESC_B_SCALE_MODE, ctypes.c_int32(b_mode))
         if not block:
             self._set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
+        self._set(desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
+        self._set(desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
         layouts = []
         for dtype, r, c, ld in ((CUDA_R_8F_E4M3, k, n, k), (CUDA_R_8F_E4M3, k, rows, k),
                                 (CUDA_R_16BF, n, rows, n), (CUDA_R_16BF, n, rows, n)):
@@ -147,7 +144,7 @@ class CublasLtFp8:
                workspace_bytes: int) -> None:
         """Row-major y[rows, n] = x @ w^T (+ y with accumulate), x e4m3[rows, k] with its scales,
         w e4m3[n, k] with its scales (the module docstring gives both layouts), y bf16."""
-        plan = self._plan(rows, n, k, block, workspace_bytes)
+        plan = self._plan(rows, n, k, block, workspace_bytes, w_scale_ptr, x_scale_ptr)
         self._set(plan.desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
         self._set(plan.desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
         a, b, c, d = plan.layouts

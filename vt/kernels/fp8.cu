@@ -135,3 +135,15 @@ extern "C" __global__ void silu_mul_quant_k(const bf16_t* __restrict__ x, unsign
     const RowSource src{xr, xr + inter, nullptr, 1.f};
     quantize_row(src, q + (size_t)row * inter, scale, row, inter, group, scale_ld, scratch);
 }
+
+// y += x elementwise over chunks of 8 bf16 (rounded once): a block-scaled product computed for
+// padded rows, added to the residual stream's real rows.
+extern "C" __global__ void add_rows_k(bf16_t* __restrict__ y, const bf16_t* __restrict__ x, long long chunks) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= chunks) return;
+    float a[8], b[8];
+    load8(y + c * 8, a);
+    load8(x + c * 8, b);
+    for (int e = 0; e < 8; ++e) a[e] += b[e];
+    store8(y + c * 8, a);
+}

@@ -13,9 +13,9 @@ import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows
-from vt.kernels.quantized import Fp8Activation, Fp8Weight
+from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
 
-KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k")}
+KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k")}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
 
@@ -39,9 +39,11 @@ class Fp8Ops(CudaCore):
         return 128
 
     def _activation(self, rows: int, k: int, group: int | None) -> Fp8Activation:
-        q = self._out((rows, k), np.uint8)
-        scale = self._out((rows,) if group is None else (k // 128, rows), np.float32)
-        return Fp8Activation(q, scale, group)
+        """Codes and scales for `rows` tokens, padded to the rows the GEMM runs (quantized.gemm_rows)."""
+        padded = gemm_rows(rows, group)
+        q = self._out((padded, k), np.uint8)
+        scale = self._out((padded,) if group is None else (k // 128, padded), np.float32)
+        return Fp8Activation(q, scale, group, rows)
 
     # ---- weights (setup) ---------------------------------------------------------------------
     def upload_fp8(self, q: np.ndarray, scale: np.ndarray) -> Fp8Weight:
@@ -71,8 +73,8 @@ class Fp8Ops(CudaCore):
         code = self._group_code(group, k)
         a = self._activation(t, k, group)
         if t:
-            self._launch("quantize_rows_k", (t,), (_THREADS,),
-                         (x, np.int64(x.strides[0] // 2), a.q, a.scale, _i32(k), _i32(code), _i32(t)))
+            args = (x, np.int64(x.strides[0] // 2), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0]))
+            self._launch("quantize_rows_k", (t,), (_THREADS,), args)
         return a
 
     def rms_norm_quant(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float,
@@ -83,7 +85,7 @@ class Fp8Ops(CudaCore):
         a = self._activation(t, k, group)
         if t:
             self._launch("rms_norm_quant_k", (t,), (_THREADS,),
-                         (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(t)))
+                         (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0])))
         return a
 
     def silu_mul_quant(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
@@ -95,15 +97,16 @@ class Fp8Ops(CudaCore):
         code = self._group_code(group, inter)
         a = self._activation(t, inter, group)
         if t:
-            args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(t))
+            args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(a.q.shape[0]))
             self._launch("silu_mul_quant_k", (t,), (_THREADS,), args)
         return a
 
     # ---- GEMMs ------------------------------------------------------------------------------
     def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: cupy.ndarray | None) -> cupy.ndarray:
-        t, n = x.q.shape[0], w.q.shape[0]
-        y = self._out((t, n), np.uint16)
+        t, n = x.rows, w.q.shape[0]
+        y = self._out((x.q.shape[0], n), np.uint16)
         self._fp8_gemm_into(x, w, y, accumulate=False)
+        y = y[:t]
         if bias is not None and t:
             if n % 8:
                 raise ValueError(f"bias width {n} must be a multiple of 8")
@@ -112,13 +115,21 @@ class Fp8Ops(CudaCore):
 
     def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
         check_rows(residual, "linear_fp8_residual residual")
-        if residual.shape != (x.q.shape[0], w.q.shape[0]):
-            raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "
-                             f"{(x.q.shape[0], w.q.shape[0])}")
-        self._fp8_gemm_into(x, w, residual, accumulate=True)
+        t, n = x.rows, w.q.shape[0]
+        if residual.shape != (t, n):
+            raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
+        if x.q.shape[0] == t:
+            self._fp8_gemm_into(x, w, residual, accumulate=True)
+            return
+        # padded rows (block scales): the product lands beside the residual, then is added to it
+        y = self._out((x.q.shape[0], n), np.uint16)
+        self._fp8_gemm_into(x, w, y, accumulate=False)
+        if t:
+            chunks = t * n // 8
+            self._launch("add_rows_k", (-(-chunks // 256),), (256,), (residual, y, np.int64(chunks)))
 
     def _fp8_gemm_into(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
-        t, k = x.q.shape
+        t, k = x.q.shape  # the GEMM's rows, padded ones included
         n, kw = w.q.shape
         if k != kw or (x.group is not None) != w.block:
             raise ValueError(f"fp8 GEMM: activations {x.q.shape} grouped by {x.group} do not fit weight "

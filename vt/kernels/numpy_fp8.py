@@ -19,7 +19,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from vt.kernels.quantized import Fp8Activation, Fp8Weight
+from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)
@@ -137,8 +137,9 @@ class NumpyFp8Ops:
         raise NotImplementedError
 
     def _took_activation(self, rows: int, k: int, group: int | None) -> None:
-        self._took((rows, k), "fp8")
-        self._took((rows * num_groups(k, group),), "f32")
+        padded = gemm_rows(rows, group)  # as CUDA pads them for its block-scaled GEMMs
+        self._took((padded, k), "fp8")
+        self._took((padded * num_groups(k, group),), "f32")
 
     def upload_fp8(self, q: np.ndarray, scale: np.ndarray) -> Fp8Weight:
         q = np.array(q, dtype=E4M3, copy=True, order="C")
@@ -152,25 +153,27 @@ class NumpyFp8Ops:
     def quantize_fp8(self, x: np.ndarray, group: int | None) -> Fp8Activation:
         t, k = x.shape
         self._took_activation(t, k, group)
-        return Fp8Activation(*quantize(x, group), group)
+        return Fp8Activation(*quantize(x, group), group, t)
 
     def rms_norm_quant(self, x: np.ndarray, weight: np.ndarray, eps: float,
                        group: int | None) -> Fp8Activation:
         t, k = x.shape
         self._took_activation(t, k, group)
-        return Fp8Activation(*rms_norm_quantize(x, weight, eps, group), group)
+        return Fp8Activation(*rms_norm_quantize(x, weight, eps, group), group, t)
 
     def silu_mul_quant(self, x: np.ndarray, group: int | None) -> Fp8Activation:
         t, k2 = x.shape
         self._took_activation(t, k2 // 2, group)
-        return Fp8Activation(*silu_mul_quantize(x, group), group)
+        return Fp8Activation(*silu_mul_quantize(x, group), group, t)
 
     def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: np.ndarray | None) -> np.ndarray:
-        self._took((x.q.shape[0], w.q.shape[0]), "act")
+        self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         y = scaled_gemm(x.q, x.scale, w.q, w.scale)
         return y if bias is None else y + bias
 
     def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray) -> None:
+        if gemm_rows(x.rows, x.group) != x.rows:  # CUDA's padded GEMM lands in a buffer first
+            self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         if residual.shape != (x.q.shape[0], w.q.shape[0]):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "
                              f"{(x.q.shape[0], w.q.shape[0])}")

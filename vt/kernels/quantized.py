@@ -32,6 +32,15 @@ class Fp8Weight:
 
 @dataclass(frozen=True)
 class Fp8Activation:
-    q: Array               # e4m3 [T, K]
+    q: Array               # e4m3 [T, K] (CUDA: [gemm_rows(T, group), K], rows past T unused)
     scale: Array           # f32 per token, or per token and 128 columns (layout: the backend's)
     group: int | None      # None: one scale a token; 128: one a token and 128 columns
+    rows: int              # T, the tokens it holds
+
+
+def gemm_rows(rows: int, group: int | None) -> int:
+    """Rows an fp8 GEMM runs for `rows` tokens: cuBLASLt's block-scaled kernels take their
+    activation scales group-major, each group's rows 16-byte aligned, so they need a multiple of 4
+    (measured on an H100: 1, 2, 3, 7 and 33 rows are refused, 4, 8, 16 and 256 run); the CUDA
+    backend pads to it (the pad rows' outputs are dropped)."""
+    return rows if group is None else -(-rows // 4) * 4
