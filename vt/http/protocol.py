@@ -7,7 +7,7 @@ field as the client spelled it, which the HTTP layer reports as a 400 with `para
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -222,14 +222,23 @@ def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
     return k
 
 
-def _common(body: dict[str, Any]) -> dict[str, Any]:
+class _CommonFields(TypedDict):
+    model: str | None
+    stream: bool
+    include_usage: bool
+    priority: int
+    truncate_prompt_tokens: int | None
+    tokens_as_ids: bool
+
+
+def _common(body: dict[str, Any]) -> _CommonFields:
     """The GenerationRequest fields both routes read the same way."""
     _reject_unsupported(body, _UNSUPPORTED_BOTH)
     stream = get_bool(body, "stream", False)
-    common = {"model": get_str(body, "model"), "stream": stream,
-              "include_usage": _include_usage(body, stream), "priority": get_int(body, "priority", 0),
-              "truncate_prompt_tokens": _truncate_prompt_tokens(body),
-              "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False)}
+    common = _CommonFields(
+        model=get_str(body, "model"), stream=stream, include_usage=_include_usage(body, stream),
+        priority=get_int(body, "priority", 0), truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False))
     get_str(body, "user")  # accepted and ignored, but it must be a string as OpenAI documents
     return common
 
