@@ -37,6 +37,8 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import MAX_KEY_SPLITS, attention_partial_bytes
 from vt.kernels.base import Backend, prologue_fused
+from vt.kernels.quantized import gemm_rows
+from vt.model.quantization import Fp8Format
 from vt.model.shard import TensorSplit
 from vt.model.transformer import Transformer
 from vt.sampling_params import MAX_LOGPROBS
@@ -68,22 +70,45 @@ class StepMemory:
         return self.arena_bytes + self.attention_partials_bytes
 
 
+def _fp8_layer_sizes(tokens: int, h: int, inter: int, hq: int, hk: int, d: int, qk_norm: bool,
+                     group: int | None) -> list[int]:
+    """One fp8 layer's arena outputs, in order: each projection's quantized input (codes and scales,
+    rows padded as quantized.gemm_rows pads them), its output, and for the projections that add
+    into the residual stream a padded product beside it where the rows were padded."""
+    rows = gemm_rows(tokens, group)
+
+    def quantized(k: int) -> list[int]:
+        return [rows * k, rows * (1 if group is None else k // group) * 4]
+
+    beside = [rows * h * ACT_BYTES] if rows != tokens else []
+    sizes = quantized(h) + [rows * (hq + 2 * hk) * d * ACT_BYTES]      # input norm, qkv
+    if qk_norm and not prologue_fused(d, True, True):
+        sizes += [tokens * hq * d * ACT_BYTES, tokens * hk * d * ACT_BYTES]  # head norms
+    sizes += [tokens * hq * d * ACT_BYTES] + quantized(hq * d) + beside  # attention output, o_proj
+    sizes += quantized(h) + [rows * 2 * inter * ACT_BYTES]             # post-attention norm, gate_up
+    return sizes + quantized(inter) + beside                           # silu_mul, down
+
+
 def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
-                     tensor_parallel_size: int = 1) -> int:
+                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> int:
     """Arena bytes of a step of `tokens` tokens over `seqs` sampled sequences with logprobs_k top
     logprobs (0: none), as the forward, the head and the sampler allocate them (on one rank of a
-    tensor_parallel_size split: the one with the most vocabulary rows)."""
+    tensor_parallel_size split: the one with the most vocabulary rows), with fp8 weights in that
+    format when given."""
     split = TensorSplit.of(mc, tensor_parallel_size)
     h, inter, v = mc.hidden_size, split.intermediate, mc.vocab_size
     hq, hk, d = split.heads, split.kv_heads, mc.head_dim
     sizes = [tokens * h * ACT_BYTES]                       # embed: the residual stream
     # The last layer's outputs are still live when the head runs; earlier layers were rewound.
-    sizes.append(tokens * (hq + 2 * hk) * d * ACT_BYTES)   # qkv
-    if mc.qk_norm and not prologue_fused(d, True, True):
-        sizes += [tokens * hq * d * ACT_BYTES, tokens * hk * d * ACT_BYTES]  # head norms
-    sizes += [tokens * hq * d * ACT_BYTES,                 # attention output
-              tokens * 2 * inter * ACT_BYTES,              # gate_up
-              tokens * inter * ACT_BYTES]                  # silu_mul
+    if fp8 is not None:
+        sizes += _fp8_layer_sizes(tokens, h, inter, hq, hk, d, mc.qk_norm, fp8.activation_group)
+    else:
+        sizes.append(tokens * (hq + 2 * hk) * d * ACT_BYTES)   # qkv
+        if mc.qk_norm and not prologue_fused(d, True, True):
+            sizes += [tokens * hq * d * ACT_BYTES, tokens * hk * d * ACT_BYTES]  # head norms
+        sizes += [tokens * hq * d * ACT_BYTES,                 # attention output
+                  tokens * 2 * inter * ACT_BYTES,              # gate_up
+                  tokens * inter * ACT_BYTES]                  # silu_mul
     sizes += [seqs * h * ACT_BYTES, seqs * h * ACT_BYTES]  # gathered last rows, final norm
     if split.size > 1:
         sizes += [seqs * split.max_vocab_rows * 4,         # this rank's f32 logits
@@ -99,7 +124,7 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
 
 
 def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                     tensor_parallel_size: int = 1) -> StepMemory:
+                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> StepMemory:
     """The per-slot memory of the largest step these flags allow (on each rank of the split)."""
     tokens = max(max_num_batched_tokens, max_num_seqs)
     seqs = max_num_seqs
@@ -107,7 +132,7 @@ def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs:
     partials = min(ATTENTION_PARTIALS_MAX,
                    attention_partial_bytes(MAX_KEY_SPLITS, tokens, heads, mc.head_dim))
     return StepMemory(tokens=tokens, seqs=seqs,
-                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size),
+                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size, fp8),
                       attention_partials_bytes=partials)
 
 

@@ -26,6 +26,8 @@ import numpy as np
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels.base import Backend
 from vt.model.loader import load_weights
+from vt.model.quantization import checkpoint_format
+from vt.model.quantization import resolve as resolve_quantization
 from vt.model.transformer import Transformer
 from vt.runner.buffers import MAX_BANNED, SlotBuffers
 from vt.runner.graphs import LAYER_GRAPH_SIZES, DecodeGraph, LayerGraphs, StepGraphs, padded_size
@@ -196,15 +198,17 @@ class ModelRunner:
         self.model_cfg, self.cfg, self.ops = model_cfg, cfg, ops
         self.max_model_len = max_model_len
         self.block_size = cfg.block_size
-        weights = load_weights(cfg.model, model_cfg)
-        self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size)
+        # fp8 weights: the checkpoint's format, or --quantization fp8 on an unquantized one
+        self.fp8 = resolve_quantization(checkpoint_format(model_cfg.quantization_config), cfg.quantization)
+        weights = load_weights(cfg.model, model_cfg, self.fp8)
+        self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size, self.fp8)
         del weights
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.max_seqs = cfg.max_num_seqs
         self.max_blocks = -(-max_model_len // self.block_size)
         # Everything a step needs is reserved before the KV cache takes the rest.
         self.step_memory = plan_step_memory(model_cfg, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                            cfg.tensor_parallel_size)
+                                            cfg.tensor_parallel_size, self.fp8)
         reserve_step_memory(ops, cfg, self.step_memory)
         self.mask_words = -(-model_cfg.vocab_size // 32)
         self.sampler = StepSampler(ops, cfg.max_num_seqs, model_cfg.vocab_size, self.mask_words)
