@@ -102,6 +102,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
         tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -164,9 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-model", help="write a random-weight checkpoint", formatter_class=_HelpFormatter)
     m.add_argument("dir", help="folder to write")
     m.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"], help="architecture")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "0.6b", "8b"],
-                   help="size: tiny (CPU tests), or Qwen3-0.6B / Qwen3-8B shapes")
+    m.add_argument("--preset", default="tiny", choices=["tiny", "tiny128", "0.6b", "8b"],
+                   help="size: tiny (CPU tests; tiny128 has every projection dim a multiple of 128, as fp8 "
+                        "block checkpoints need), or Qwen3-0.6B / Qwen3-8B shapes")
     m.add_argument("--seed", type=int, default=0, help="weights seed")
+    m.add_argument("--quantization", default=None, choices=["fp8-block", "fp8-channel"],
+                   help="write the projections as an FP8 checkpoint: fp8-block as Qwen3's FP8 releases "
+                        "(128x128 blocks), fp8-channel as llm-compressor's FP8-dynamic (compressed-tensors)")
 
     b = sub.add_parser("bench", help="serving benchmark (see `vt bench --help`)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make-model":
             from vt.model.make_model import make_model
 
-            out = make_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
+            out = make_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed,
+                             quantization=args.quantization)
             print(f"vt: wrote {args.preset} {args.arch} checkpoint to {out}")
             return 0
         if args.command == "serve" and args.model_pos is not None:
