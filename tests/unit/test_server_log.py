@@ -13,7 +13,7 @@ import pytest
 from vt.config import EngineConfig, ModelConfig
 from vt.engine.engine import AsyncEngine
 from vt.engine.stats import EngineStats
-from vt.launch.startup_log import num_parameters, startup_lines
+from vt.launch.startup_log import num_parameters, projection_parameters, startup_lines
 from vt.launch.stats_log import StatsSnapshot, log_stats, stats_line
 from vt.model.generation_config import SamplingDefaults
 from vt.model.make_model import PRESETS, hf_config, make_model, tensor_specs
@@ -82,7 +82,7 @@ def test_startup_summary_names_captured_graphs_on_cuda():
     mc = ModelConfig.from_dict(hf_config("qwen3", PRESETS["0.6b"], 151936, 0, 1))
     graphs = {(slot, size): None for slot in (0, 1) for size in (1, 2, 4)}
     runner = SimpleNamespace(num_blocks=1000, use_graphs=True, graphs=graphs, graph_sizes=(1, 2, 4),
-                             layer_graphs={(0, 16): None, (1, 16): None})
+                             layer_graphs={(0, 16): None, (1, 16): None}, fp8=None)
     cfg = EngineConfig(model="/models/Qwen3-0.6B", block_size=16)
     engine = SimpleNamespace(model_config=mc, runner=runner, config=cfg, ops=SimpleNamespace(name="cuda"),
                              max_model_len=40960, depth=2)
@@ -90,4 +90,33 @@ def test_startup_summary_names_captured_graphs_on_cuda():
     assert "on cuda" in text
     assert "weights: 596.05 M parameters, 1.11 GiB" in text
     assert "16000 tokens, 1.71 GiB; maximum concurrency at 40960 tokens per request: 0.39x" in text
-    assert "CUDA graphs: 6 decode graphs (3 batch sizes) and 2 piecewise prefill sets captured" in text
+    assert "CUDA graphs: 6 decode graphs (3 batch sizes) and 2 per-layer prefill graph sets captured" in text
+
+
+@pytest.mark.parametrize("checkpoint", [None, "fp8-block"])
+async def test_startup_summary_says_how_fp8_weights_are_held(tmp_path, checkpoint):
+    model = make_model(tmp_path / "m", preset="tiny128", quantization=checkpoint)
+    flag = "fp8" if checkpoint is None else None
+    engine = AsyncEngine(EngineConfig(model=str(model), device="cpu", max_model_len=512, num_gpu_blocks=10,
+                                      max_num_seqs=8, quantization=flag))
+    try:
+        text = "\n".join(startup_lines(engine, 1.0))
+    finally:
+        await engine.stop()
+    how = "quantized at load (--quantization fp8), a scale per output channel, activations quantized " \
+          "per token;" if checkpoint is None else \
+        "as stored (fp8 checkpoint, 128x128 block scales), activations quantized per token and 128 columns;"
+    assert "the projections in fp8 e4m3 " + how in text
+    mc = engine.model_config
+    fp8_bytes = projection_parameters(mc) + 4 * (num_parameters(mc) - projection_parameters(mc))
+    assert f"{fp8_bytes / 1024**2:.1f} MiB: the projections" in text
+
+
+@pytest.mark.parametrize("preset", ["tiny", "8b"])
+def test_projection_count_matches_the_checkpoint_projections(preset):
+    p = PRESETS[preset]
+    vocab = p.vocab or 1024
+    mc = ModelConfig.from_dict(hf_config("qwen3", p, vocab, 0, 1))
+    specs = tensor_specs("qwen3", p, vocab)
+    want = sum(int(np.prod(s.shape)) for s in specs if s.name.endswith("proj.weight"))
+    assert projection_parameters(mc) == want

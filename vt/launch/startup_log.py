@@ -32,6 +32,27 @@ def num_parameters(mc: ModelConfig) -> int:
     return mc.vocab_size * h + mc.num_layers * layer + h + head
 
 
+def projection_parameters(mc: ModelConfig) -> int:
+    """Parameters of the layers' projections (q, k, v, o, gate, up, down): what fp8 quantizes."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return mc.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * mc.intermediate_size)
+
+
+def _weights_line(mc: ModelConfig, fp8: Any, dtype_bytes: int) -> str:
+    params = num_parameters(mc)
+    if fp8 is None:
+        return f"weights: {_count(params)} parameters, {_bytes(params * dtype_bytes)}"
+    proj = projection_parameters(mc)
+    if fp8.online:
+        how = "quantized at load (--quantization fp8), a scale per output channel"
+    else:
+        how = f"as stored ({fp8.method} checkpoint, {'128x128 block' if fp8.block else 'per-channel'} scales)"
+    group = "token and 128 columns" if fp8.block else "token"
+    return (f"weights: {_count(params)} parameters, {_bytes(proj + (params - proj) * dtype_bytes)}: the "
+            f"projections in fp8 e4m3 {how}, activations quantized per {group}; embeddings, norms and "
+            "lm_head in bf16")
+
+
 def _device_name(ops: Any) -> str:
     if ops.name != "cuda":
         return "cpu (numpy backend: float32 compute from the bfloat16 weights)"
@@ -52,14 +73,13 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
     mc: ModelConfig = engine.model_config
     runner, cfg = engine.runner, engine.config
     dtype_bytes = 2 if engine.ops.name == "cuda" else 4
-    params = num_parameters(mc)
     kv_tokens = runner.num_blocks * cfg.block_size
     tp = cfg.tensor_parallel_size  # KV bytes over all ranks (a KV head may live on several)
     kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp) * tp
     ranks = f", {tp} tensor-parallel ranks" if tp > 1 else ""
     if runner.use_graphs:
         graphs = (f"{len(runner.graphs)} decode graphs ({len(runner.graph_sizes)} batch sizes) and "
-                  f"{len(runner.layer_graphs)} piecewise prefill sets captured")
+                  f"{len(runner.layer_graphs)} per-layer prefill graph sets captured")
     else:
         graphs = "none (eager steps: " + ("--enforce-eager" if cfg.enforce_eager else "numpy backend") + ")"
     lines = [
@@ -67,7 +87,7 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
         f"model {cfg.model}: {mc.architecture}, {mc.num_layers} layers, hidden {mc.hidden_size}, "
         f"{mc.num_heads} heads / {mc.num_kv_heads} KV heads of {mc.head_dim}, vocab {mc.vocab_size}, "
         f"{mc.dtype} checkpoint",
-        f"weights: {_count(params)} parameters, {_bytes(params * dtype_bytes)}",
+        _weights_line(mc, runner.fp8, dtype_bytes),
         f"KV cache: {runner.num_blocks} blocks of {cfg.block_size} tokens = {kv_tokens} tokens, "
         f"{_bytes(kv_bytes)}; maximum concurrency at {engine.max_model_len} tokens per request: "
         f"{kv_tokens / engine.max_model_len:.2f}x",
