@@ -1,16 +1,21 @@
 """The Dockerfile must stay in step with the CLI: every flag it passes is one `vt serve` knows,
-its ports agree, and it runs as a non-root user."""
+its ports agree, it runs as a non-root user, and what follows the image name in `docker run` is
+appended to `vt serve` without losing the mounted model. tests/image builds and runs it for real."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
-from vt.launch.cli import build_parser
+from vt import __version__
+from vt.launch.cli import build_parser, main
+from vt.launch.model_volume import ENV as VOLUME_ENV
+from vt.launch.model_volume import model_from_volume
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,12 +69,23 @@ def stage() -> list[tuple[str, str]]:
     return final_stage(instructions((ROOT / "Dockerfile").read_text()))
 
 
+def env_values(stage: list[tuple[str, str]]) -> dict[str, str]:
+    """The final stage's ENV settings (KEY=VALUE form)."""
+    values: dict[str, str] = {}
+    for word, rest in stage:
+        if word == "ENV":
+            values.update(item.split("=", 1) for item in shlex.split(rest))
+    return values
+
+
 @pytest.fixture(scope="module")
 def serve_argv(stage: list[tuple[str, str]]) -> list[str]:
     entry = exec_form(only(stage, "ENTRYPOINT"), "ENTRYPOINT")
-    cmd = exec_form(only(stage, "CMD"), "CMD")
     assert entry[:2] == ["vt", "serve"], f"ENTRYPOINT must run `vt serve`, got {entry}"
-    return entry[2:] + cmd
+    # a CMD would be replaced by the first word after the image name: flags there once dropped
+    # `--model /models` and the demo model was served instead of the mounted one
+    assert not [w for w, _ in stage if w == "CMD"], "the model comes after the image name, not from CMD"
+    return entry[2:]
 
 
 def test_every_flag_is_a_vt_serve_flag(serve_argv: list[str]) -> None:
@@ -86,9 +102,88 @@ def test_flags_parse_and_bind_all_interfaces(serve_argv: list[str], stage: list[
     except SystemExit:
         pytest.fail(f"`vt serve {' '.join(serve_argv)}` does not parse")
     assert args.host == "0.0.0.0"
-    assert args.model == "/models"
+    assert args.model is None and args.model_pos is None  # the model comes after the image name
     volumes = only(stage, "VOLUME")
-    assert "/models" in (exec_form(volumes, "VOLUME") if volumes.startswith("[") else volumes.split())
+    volumes = exec_form(volumes, "VOLUME") if volumes.startswith("[") else volumes.split()
+    assert env_values(stage).get(VOLUME_ENV) in volumes, f"{VOLUME_ENV} must name the model volume"
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model volume holding a checkpoint at its top, and a second one in a subfolder."""
+    from vt.model.make_model import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    make_model(root, preset="tiny", seed=1)
+    make_model(root / "b", preset="tiny", seed=2)
+    return root
+
+
+@pytest.mark.parametrize("after_image, model, name", [
+    (["--max-num-seqs", "128"], "", "VOLUME"),              # flags only: the mounted checkpoint
+    (["VOLUME/b", "--max-num-seqs", "128"], "b", "VOLUME/b"),   # the model first, as with vLLM's image
+    (["--model", "VOLUME/b", "--max-num-seqs", "128"], "b", "VOLUME/b"),
+    (["--max-num-seqs", "128", "VOLUME/b", "--served-model-name", "x"], "b", "x"),
+])
+def test_what_follows_the_image_name(serve_argv: list[str], volume: Path, monkeypatch: pytest.MonkeyPatch,
+                                     after_image: list[str], model: str, name: str) -> None:
+    """`docker run IMAGE ARGS...` runs ENTRYPOINT + ARGS: what vt serve would serve, and as what."""
+    import vt.launch.serve
+
+    served: dict = {}
+
+    def fake_run_server(cfg, host, port, served_model_name, *args, **kwargs) -> int:
+        served.update(model=cfg.model, name=served_model_name, host=host, seqs=cfg.max_num_seqs)
+        return 0
+
+    monkeypatch.setattr(vt.launch.serve, "run_server", fake_run_server)
+    monkeypatch.setenv(VOLUME_ENV, str(volume))
+    argv = [a.replace("VOLUME", str(volume)) for a in after_image]
+    assert main(["serve", *serve_argv, *argv, "--device", "cpu"]) == 0
+    assert Path(served["model"]) == volume / model
+    assert served["name"] == name.replace("VOLUME", str(volume))
+    assert served["seqs"] == 128 and served["host"] == "0.0.0.0"
+
+
+def test_volume_with_a_checkpoint_is_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv(VOLUME_ENV, str(tmp_path))
+    model, note = model_from_volume()
+    assert model == str(tmp_path) and note and str(tmp_path) in note
+
+
+@pytest.mark.parametrize("content", [[], ["lost+found/"], [".cache/"]])
+def test_empty_volume_falls_back_to_the_demo_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            content: list[str]) -> None:
+    for name in content:
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv(VOLUME_ENV, str(tmp_path))
+    model, note = model_from_volume()
+    assert model is None and "DEMO" in note and str(tmp_path) in note
+
+
+def test_no_volume_outside_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VOLUME_ENV, raising=False)
+    assert model_from_volume() == (None, None)
+
+
+@pytest.mark.parametrize("layout, named", [
+    (["a/config.json", "b/config.json"], ["a", "b"]),   # a folder of checkpoints: name one
+    (["notes.txt"], []),
+])
+def test_volume_holding_something_else_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str], layout: list[str],
+                                                  named: list[str]) -> None:
+    for rel in layout:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    monkeypatch.setenv(VOLUME_ENV, str(tmp_path))
+    assert main(["serve", "--max-num-seqs", "128", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vt: error: ") and "Traceback" not in err
+    assert "config.json" in err and "--model" in err
+    for name in named:
+        assert str(tmp_path / name) in err
 
 
 def test_ports_agree(serve_argv: list[str], stage: list[tuple[str, str]]) -> None:
@@ -112,7 +207,10 @@ def test_runs_as_non_root(stage: list[tuple[str, str]]) -> None:
 
 def test_cuda12_base_and_extra() -> None:
     instr = instructions((ROOT / "Dockerfile").read_text())
+    # the base is a build argument (CI builds on a Debian rootfs); the CUDA 12 runtime is its default
+    args = dict(rest.split("=", 1) for word, rest in instr if word == "ARG" and "=" in rest)
     bases = [rest.split()[0] for word, rest in instr if word == "FROM"]
+    bases = [args.get(b[2:-1], b) if b.startswith("${") else b for b in bases]
     assert any(re.match(r"nvidia/cuda:12\.", b) for b in bases), bases
     assert any(word == "RUN" and re.search(r"\[(\S+,)?cuda12(,\S+)?\]", rest) for word, rest in instr)
 
@@ -136,3 +234,10 @@ def test_dockerignore_keeps_the_context_small() -> None:
 def test_parser_joins_continuations() -> None:
     text = "FROM a\n# note\nRUN one \\\n    two\nCMD [\"x\"]\n"
     assert instructions(text) == [("FROM", "a"), ("RUN", "one  two"), ("CMD", '["x"]')]
+
+
+def test_readme_wheel_is_the_one_pip_wheel_builds() -> None:
+    # vt-serve is not on the package index: the README's install line names the wheel a clone builds
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install 'vt-serve" not in readme
+    assert f"vt_serve-{__version__}-py3-none-any.whl" in readme

@@ -212,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             # `--served-model-name a /models/x` reads the model as a second name: never serve the demo then
             parser.error("--served-model-name took several names and no model was given; put MODEL "
                          "before --served-model-name, or use --model")
+        volume_note = None
+        if args.command == "serve" and args.model is None:  # in the image: the mounted checkpoint
+            from vt.launch.model_volume import model_from_volume
+
+            args.model, volume_note = model_from_volume()
         _positive(args, parser)
         if args.command == "serve":
             # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             options = api_options(args, cfg.model, aliases)
             for note in notes:
                 log.info("%s", note)
+            if volume_note:  # the demo model served by mistake must not go unnoticed
+                log.log(logging.WARNING if args.model is None else logging.INFO, "%s", volume_note)
             return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits,
                               options=options, log_stats=not args.disable_log_stats)
         return _generate(args, cfg)
