@@ -80,14 +80,17 @@ def test_fused_norm_and_silu_quantization_match_numpy(cb, group):
         assert diff.max() <= 1 and (diff > 0).mean() < 0.01
 
 
+@pytest.mark.parametrize("shape", [(768, 1024), (512, 128), (128, 256), (256, 256), (384, 384), (384, 3072)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 33, 256, 1000])
 @pytest.mark.parametrize("block", [False, True])
-def test_fp8_gemm_matches_the_numpy_scaled_gemm(cb, rows, block):
+def test_fp8_gemm_matches_the_numpy_scaled_gemm(cb, rows, block, shape):
     rng = np.random.default_rng(rows)
-    n, k = 768, 1024
+    n, k = shape
     x = bf16(rng.standard_normal((rows, k)))
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
     wq, ws = f8.quantize_weight_block(w) if block else f8.quantize_weight_channel(w)
+    # a scale of its own for every block or channel, so that a scale read from the wrong place shows
+    ws = ws * np.arange(1, ws.size + 1, dtype=np.float32).reshape(ws.shape) ** 0.5
     weight = cb.upload_fp8(wq, ws)
     group = 128 if block else None
     xa = cb.quantize_fp8(cb.from_host(x, "act"), group)
@@ -149,11 +152,9 @@ def _logits(checkpoint: Path, device: str, quantization: str | None) -> np.ndarr
             return model.allocate_kv(n, bs)
 
         def forward(self, batch, kv):
-            from dataclasses import fields, replace
-
-            moved = {f.name: ops.from_host(getattr(batch, f.name), "i32") for f in fields(batch)
-                     if isinstance(getattr(batch, f.name), np.ndarray)}
-            return ops.to_host(model.forward(replace(batch, **moved), kv))
+            arrays = {name: value for name, value in batch._asdict().items() if isinstance(value, np.ndarray)}
+            moved = batch._replace(**{name: ops.from_host(value, "i32") for name, value in arrays.items()})
+            return ops.to_host(model.forward(moved, kv))
 
     return np.concatenate(PagedRunner(DeviceModel(), 64, 16).step(dict(enumerate(prompts(cfg.vocab_size))),
                                                                  all_rows=True))
@@ -161,12 +162,21 @@ def _logits(checkpoint: Path, device: str, quantization: str | None) -> np.ndarr
 
 @pytest.mark.parametrize("kind", ["block", "online"])
 def test_fp8_model_on_cuda_tracks_the_numpy_fp8_model(block_checkpoint, tmp_path, kind):
-    from tests.unit.test_fp8_model import _check_close
+    """Two quantizations of the same model: CUDA's activations are bf16 before they are quantized,
+    numpy's float32, so codes at a rounding boundary differ. Bounds as the CPU suite's, the
+    agreement at 70% (measured 2026-12-06 on an H100 for the online model: 79% agreement, KL 0.047,
+    relative error 0.071; the same model in bf16: 97%, 0.0006, 0.008)."""
+    from tests.unit.test_fp8_model import MAX_KL, MAX_REL, _log_softmax
     from vt.model.make_model import make_model
 
     ckpt = block_checkpoint if kind == "block" else make_model(tmp_path / "bf16", preset="tiny128", seed=4)
     flag = None if kind == "block" else "fp8"
-    _check_close(_logits(ckpt, "cuda", flag), _logits(ckpt, "cpu", flag))
+    got, ref = _logits(ckpt, "cuda", flag), _logits(ckpt, "cpu", flag)
+    lp, lq = _log_softmax(ref), _log_softmax(got)
+    kl = float((np.exp(lp) * (lp - lq)).sum(axis=-1).max())
+    agreement = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    rel = rel_err(got, ref)
+    assert agreement >= 0.7 and kl < MAX_KL and rel < MAX_REL, (agreement, kl, rel)
 
 
 @pytest.mark.parametrize("quantization", ["fp8-block", "fp8-channel", "online"])

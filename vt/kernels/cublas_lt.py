@@ -7,8 +7,10 @@ column-major product y^T[n, rows] = op_T(w) op_N(x^T), so w is its A and x its B
   column of op(B) = per token (OUTER_VEC_32F both), with fast accumulation: measured on an H100
   (bench/probes/fp8_gemm.py, 2026-12-06) 5-15% faster than without at every 8B shape;
 - block scales: A a scale per 128x128 block, stored as the checkpoints store weight_scale_inv
-  ([ceil(n/128), ceil(k/128)] row-major), B a scale per token and 128 columns stored group-major
-  ([ceil(k/128)][rows]) (BLK128x128_32F / VEC128_32F; fast accumulation is not offered there).
+  ([ceil(n/128), ceil(k/128)] row-major) but with each row padded to a multiple of 4 scales, B a
+  scale per token and 128 columns stored group-major ([ceil(k/128)][rows], rows a multiple of 4)
+  (BLK128x128_32F / VEC128_32F; fast accumulation is not offered there). Both strides were found
+  on an H100 (2026-12-06): cuBLASLt reads every scale row 16-byte aligned and says so nowhere.
 Mixed modes (a per-tensor weight with per-token activations) have no cuBLASLt kernel on Hopper.
 
 Plans (descriptors and the heuristic's algorithm) are made once per shape and kept; the scale

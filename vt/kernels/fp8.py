@@ -47,10 +47,18 @@ class Fp8Ops(CudaCore):
 
     # ---- weights (setup) ---------------------------------------------------------------------
     def upload_fp8(self, q: np.ndarray, scale: np.ndarray) -> Fp8Weight:
+        """Block scales are stored with each row of k-blocks padded to a multiple of 4 (16 bytes):
+        cuBLASLt reads BLK128x128 scales at that stride (an H100 computes garbage for 2 or 3
+        k-blocks at stride 2 or 3, and right with 1, 4, 8 or 32)."""
         self._lt()
         codes = cupy.asarray(np.ascontiguousarray(q).view(np.uint8))
-        return Fp8Weight(self._settled(codes), self._settled(cupy.asarray(np.asarray(scale, np.float32))),
-                         block=np.ndim(scale) == 2)
+        scale = np.asarray(scale, np.float32)
+        block = scale.ndim == 2
+        if block:
+            padded = np.zeros((scale.shape[0], -(-scale.shape[1] // 4) * 4), np.float32)
+            padded[:, : scale.shape[1]] = scale
+            scale = padded
+        return Fp8Weight(self._settled(codes), self._settled(cupy.asarray(scale)), block=block)
 
     def quantize_weight(self, w: cupy.ndarray) -> Fp8Weight:
         """Per output channel, on the device (the bf16 weight may be dropped afterwards)."""

@@ -17,6 +17,7 @@ Array = Any
 class Fp8Weight:
     q: Array        # e4m3 [N, K] (numpy: ml_dtypes.float8_e4m3fn; CUDA: uint8 bits)
     scale: Array    # f32 [N] per output channel, or f32 [ceil(N/128), ceil(K/128)] per 128x128 block
+                    # (CUDA: each row of k-blocks padded to a multiple of 4, as cuBLASLt reads them)
     block: bool
 
     @property
