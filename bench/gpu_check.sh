@@ -129,8 +129,17 @@ for s in $steps; do
       t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null)}"
       echo "prefill tiling: ${t:-default}" | tee "$OUT/targets8.log"
       VT_PREFILL_TILING=$t timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-${t:-default}" --rows targets \
-        --server-args="--max-num-seqs 256 --max-model-len 16384" --budget "${BUDGET:-500}" --out "$OUT/t8" \
+        --server-args="--max-num-seqs 256 --max-model-len 16384 ${VT_ARGS:-}" --budget "${BUDGET:-500}" --out "$OUT/t8" \
         2>&1 | grep -v "^Loading" | tee -a "$OUT/targets8.log" ;;
+    fp8)  # the fp8 suite, then the 8B target rows with --quantization fp8 (FP8_ARMS="bf16 fp8" adds bf16 beside)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py 2>&1 | tail -15 | tee "$OUT/fp8_tests.log"
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for arm in ${FP8_ARMS:-fp8}; do
+        extra=$([ "$arm" = fp8 ] && echo "--quantization fp8")
+        timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-$arm" --rows targets \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 $extra" --budget "${BUDGET:-300}" --out "$OUT/t8_$arm" \
+          2>&1 | grep -v "^Loading" | tee -a "$OUT/fp8_targets.log"
+      done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B
