@@ -14,14 +14,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from vt.http.errors import HttpError, error_body
 from vt.http.flow import FlowControl
-from vt.http.messages import HttpRequest, PushBody, Response, StreamResponse
-
-if TYPE_CHECKING:
-    from vt.http.server import HttpServer
+from vt.http.messages import Handler, HttpRequest, PushBody, Response, StreamResponse
 
 logger = logging.getLogger("vt.http")
 
@@ -47,6 +44,25 @@ class Rejection:
     status: int
     message: str
     response: Response | None = None  # the precheck's own answer, sent as it is
+
+
+class ServerSide(Protocol):
+    """What the worker asks of the server (vt.http.server.HttpServer): the handler, whether it
+    is closing, its counters and the Date header."""
+
+    @property
+    def handler(self) -> Handler: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    def request_started(self) -> None: ...
+
+    def request_finished(self) -> None: ...
+
+    def count_response(self, status: int) -> None: ...
+
+    def date(self) -> str: ...
 
 
 class ConnectionSide(Protocol):
@@ -143,7 +159,7 @@ async def close_chunks(chunks: object) -> None:
 class Responder:
     """The worker of one connection: answers its queued requests strictly in order."""
 
-    def __init__(self, server: HttpServer, flow: FlowControl, connection: ConnectionSide,
+    def __init__(self, server: ServerSide, flow: FlowControl, connection: ConnectionSide,
                  max_pipelined: int) -> None:
         self._server = server
         self._max_pipelined = max_pipelined  # below this many queued, a paused connection reads again
