@@ -4,6 +4,7 @@ is its request's error, and the server's process never runs it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -11,6 +12,7 @@ from vt.model.make_model import make_model
 from vt.structured.compiler import GrammarCompiler
 from vt.structured.grammar_check import GrammarChecker
 from vt.structured.grammar_vocab import grammar_tokenizer_json
+from vt.structured.matchers import MAX_ITEMS_IN_ROW
 from vt.structured.spec import GrammarError, GrammarSpec
 from vt.text.tokenizer import Tokenizer
 
@@ -34,9 +36,11 @@ def test_a_grammar_that_crashes_the_engine_is_an_error_and_the_next_check_works(
         with pytest.raises(GrammarError, match="crashed"):
             checker.check(REF_CHAIN)
         checker.check(GOOD)  # a new child
-        # limits llguidance enforces only while it runs show in the walk
-        with pytest.raises(GrammarError, match="max is 2000"):
-            checker.check(GrammarSpec("choice", json.dumps([f"c{i}" for i in range(20000)])))
+        # limits llguidance enforces only while it runs show in the walk (a choice is one lexeme
+        # and never meets the row limit; a Lark rule of as many alternatives does)
+        over = MAX_ITEMS_IN_ROW + 1
+        with pytest.raises(GrammarError, match=f"max is {MAX_ITEMS_IN_ROW}"):
+            checker.check(GrammarSpec("grammar", "start: " + " | ".join(f'"c{i}"' for i in range(over))))
         with pytest.raises(GrammarError, match="too many expressions"):
             checker.check(GrammarSpec("regex", "(a){1000000}"))
     finally:
@@ -73,7 +77,9 @@ def test_the_compiler_checks_first_and_caches_the_error(tokenizer_json: str, mon
 def test_close_ends_the_child(tokenizer_json: str):
     checker = GrammarChecker(grammar_tokenizer_json(tokenizer_json), 1024, [0])
     checker.check(GOOD)
-    proc = checker._proc
-    assert proc is not None and proc.poll() is None
+    pids = checker.pids
+    assert len(pids) == 1 and os.waitpid(pids[0], os.WNOHANG) == (0, 0)  # running
     checker.close()
-    assert proc.poll() is not None
+    assert checker.pids == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # killed and reaped

@@ -1,11 +1,16 @@
 """GrammarCompiler: GrammarSpecs -> llguidance matchers, compiled off the event loop and cached.
 
-Compiling a JSON schema or a grammar takes from microseconds to about a second (the tokenizer's
-token trie alone takes ~1 s at a 152k vocabulary, once per process), so it runs in a small
-thread pool: `await compile(spec)` from the HTTP handler, before the request reaches the engine,
-turns an invalid schema or grammar into an error the caller reports as a 400. Results (errors
-too) are cached by spec in a bounded LRU, and identical compiles in flight share one future. A
-compiled grammar is a matcher in its start state; each request gets a deep copy (~5 us).
+Compiling a JSON schema or a grammar takes from microseconds to seconds (the tokenizer's token
+trie alone takes ~1 s at a 152k vocabulary, once per process), so it runs on worker threads:
+`await compile(spec)` from the HTTP handler, before the request reaches the engine, turns an
+invalid schema or grammar into an error the caller reports as a 400. Compiles run side by side
+(up to the checker's number of children), each new grammar first in a child process of its own
+(GrammarChecker: bounded in time and memory), so a slow one holds up no other. Results (errors
+too) are cached by spec in an LRU bounded by count and by the memory the grammars were measured
+to take, and identical compiles in flight share one. A compile whose every waiter went away
+(the task awaiting compile() was cancelled: its client left) is stopped: its child is killed and
+its place freed. A compiled grammar is a matcher in its start state; each request gets a deep
+copy (~5 us).
 
 Per step, `fill_masks` computes the allowed-token bitmasks of the step's guided rows into the
 runner's pinned buffer with llguidance's own thread pool (it releases the GIL). Matchers copied
@@ -19,134 +24,39 @@ contiguous splits give each thread rows of its own template.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import dataclasses
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import orjson
 
-from vt.structured.grammar_check import GrammarChecker
+from vt.structured.grammar_check import (
+    CHECK_CHILDREN,
+    CheckCancelled,
+    CheckResult,
+    CheckTicket,
+    GrammarChecker,
+)
+from vt.structured.grammar_text import close_objects, grammar_text
 from vt.structured.grammar_vocab import grammar_tokenizer_json
 from vt.structured.guide import Guide
-from vt.structured.spec import GrammarError, GrammarSpec, StructuredOutput
+from vt.structured.matchers import MASK_THREADS, build_tokenizer, new_matchers
+from vt.structured.spec import GrammarError, GrammarSpec, GrammarUnavailableError, StructuredOutput
+
+__all__ = ["CACHE_BYTES", "CACHE_SIZE", "COMPILE_THREADS", "MASK_THREADS", "CompiledGrammar",
+           "GrammarCompiler", "GrammarError", "build_tokenizer", "close_objects", "grammar_text",
+           "new_matchers"]
 
 log = logging.getLogger("vt.structured")
 CACHE_SIZE = 512          # compiled grammars (and compile errors) kept
-COMPILE_THREADS = 2
-# llguidance's executor for a step's masks: its threads work while the event loop waits. Half
-# the cores up to 8 (at least min(4, cores)): on a 16-core GPU host 8 threads fill 128 masks of a
-# 152k vocabulary in 4.4 ms where 4 take 6.8 (bench/RESULTS.md).
-_CPUS = os.cpu_count() or 1
-MASK_THREADS = max(1, min(8, max(min(4, _CPUS), _CPUS // 2)))
-
-
-# JSON schema keywords whose values are schemas, maps of schemas or lists of schemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-               "propertyNames", "unevaluatedProperties", "additionalItems")
-
-
-def close_objects(schema: Any) -> Any:
-    """A copy of a JSON schema where every object schema that does not say otherwise gets
-    additionalProperties false: OpenAI's `strict` (which requires it) and vLLM's
-    disable_additional_properties. Walks only keywords that hold schemas, so a property that
-    happens to be named "properties" or "type" is left alone."""
-    if isinstance(schema, list):  # "items" in its old tuple form
-        return [close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(s) for name, s in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(s) for s in out[key]]
-    for key in _SCHEMA_ONE:
-        if key in out:
-            out[key] = close_objects(out[key])
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
-    if (is_object or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar of a spec (no validation yet); GrammarError for unreadable input."""
-    import llguidance
-
-    from_json = llguidance.LLMatcher.grammar_from_json_schema
-    if spec.kind in ("json", "json_object"):
-        if spec.kind == "json_object":
-            schema: Any = {"type": "object"}
-        else:
-            try:
-                schema = orjson.loads(spec.text)
-            except orjson.JSONDecodeError as e:
-                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError("a JSON schema must be an object")
-            if spec.strict:
-                schema = close_objects(schema)
-        options = ({"whitespace_flexible": False} if spec.whitespace == ""
-                   else {"whitespace_pattern": spec.whitespace})
-        try:
-            return from_json(schema, overrides=options)
-        except ValueError as e:
-            raise GrammarError(f"invalid JSON schema: {e}") from None
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.text)
-    if spec.kind == "choice":
-        choices = orjson.loads(spec.text)
-        # A Lark alternation of string literals; JSON string escapes are Lark's.
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(orjson.dumps(c).decode() for c in choices))
-    try:
-        return llguidance.grammar_from("grammar", spec.text)  # Lark, or GBNF converted to Lark
-    except ValueError as e:
-        raise GrammarError(str(e)) from None
-
-
-def build_tokenizer(text: str, vocab_size: int, eos: Sequence[int]) -> Any:
-    """llguidance's tokenizer of a tokenizer.json text already made grammar-ready
-    (grammar_tokenizer_json); its vocab_size may exceed the model's (masks cover every token)."""
-    import llguidance
-
-    try:
-        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos) or None)
-    except ValueError:
-        # More tokens than the model has rows: masks cover them all, cut to the model's.
-        return llguidance.LLTokenizer(text, eos_token=list(eos) or None)
-
-
-def new_matchers(spec: GrammarSpec, tokenizer: Any, count: int = 1) -> list[Any]:
-    """count matchers of the spec's grammar in its start state, each built on its own (they
-    share no lexer state); GrammarError for a grammar that does not compile, or whose language
-    is empty (it fails at its first mask)."""
-    import llguidance
-
-    try:
-        grammar = grammar_text(spec)
-    except RecursionError:
-        raise GrammarError("the schema is nested too deep") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise GrammarError(error.strip())
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    if matcher.is_error():
-        raise GrammarError(matcher.get_error().strip())
-    probe = matcher.deep_copy()
-    probe.compute_bitmask()
-    if probe.is_error():
-        raise GrammarError("the grammar admits no output at all")
-    # ~1 ms each, off the loop like the rest of the compile
-    return [matcher, *(llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(count - 1))]
+CACHE_BYTES = 2 << 30     # ... and the memory they were measured to take (the checker's peak, per template)
+KEEP_RECENT = 16          # the latest grammars stay whatever they weigh: their requests are about to start
+COMPILE_THREADS = CHECK_CHILDREN  # compiles at once: one checker child each
 
 
 class CompiledGrammar:
@@ -162,9 +72,25 @@ class CompiledGrammar:
         return self._templates[shard % len(self._templates)].deep_copy()
 
 
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclasses.dataclass(eq=False)
+class _Compile:
+    """One spec's compile: its result, how many wait for it, and the ticket that stops its check."""
+
+    spec: GrammarSpec
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    ticket: CheckTicket = dataclasses.field(default_factory=CheckTicket)
+    waiters: int = 0
+    weight: int = 0  # bytes the compiled grammar was measured to take (0 until it is compiled)
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = CACHE_SIZE, isolate: bool = True) -> None:
+                 cache_size: int = CACHE_SIZE, isolate: bool = True, cache_bytes: int = CACHE_BYTES) -> None:
         """isolate: compile each new grammar in a child process first (GrammarChecker)."""
         self._tokenizer_json = tokenizer_json
         self._isolate = isolate
@@ -172,14 +98,23 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._cache_size = cache_size
-        self._cache: OrderedDict[GrammarSpec, concurrent.futures.Future] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
+        self._cache_bytes = cache_bytes
+        self._cache: OrderedDict[GrammarSpec, _Compile] = OrderedDict()
+        self._weight = 0  # of the compiled grammars in the cache
+        self._cond = threading.Condition()  # guards everything above and below; never held while compiling
+        self._queue: collections.deque[_Compile] = collections.deque()
+        self._workers = 0
+        self._generation = 0  # shutdown() moves it on: workers of an earlier one leave
         self._tokenizer: concurrent.futures.Future | None = None
         self._mask_executor: Any = None
         self._next_shard = 0  # the shard the next request's guide is dealt to
         self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._wide: np.ndarray | None = None  # masks of a tokenizer larger than the model's vocabulary
+
+    @property
+    def checker(self) -> GrammarChecker | None:
+        """The child processes new grammars are checked in (made with the tokenizer's trie)."""
+        return self._checker
 
     @property
     def mask_words(self) -> int:
@@ -188,67 +123,154 @@ class GrammarCompiler:
 
     # ---- compiling ----------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Start building the tokenizer's token trie in the pool, so the first request that
-        needs it does not wait for it (it is built once, ~1 s at a 152k vocabulary)."""
+        """Start building the tokenizer's token trie, so the first request that needs it does not
+        wait for it (it is built once, ~1 s at a 152k vocabulary)."""
         self._tokenizer_future()
 
-    def _started_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The compile pool, with the tokenizer's job queued before any compile, so that a
-        compile waiting for the tokenizer never holds the thread the tokenizer needs (the caller
-        holds the lock)."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
-                                                               thread_name_prefix="vt-grammar")
-        if self._tokenizer is None:
-            self._tokenizer = self._pool.submit(self._build_tokenizer)
-        return self._pool
-
     def _tokenizer_future(self) -> concurrent.futures.Future:
-        with self._lock:
-            self._started_pool()
+        with self._cond:
+            if self._tokenizer is None:
+                self._tokenizer = concurrent.futures.Future()
+                threading.Thread(target=self._build_tokenizer, args=(self._tokenizer,), daemon=True,
+                                 name="vt-grammar-vocab").start()
             return self._tokenizer
 
-    def _build_tokenizer(self) -> Any:
-        text = grammar_tokenizer_json(self._tokenizer_json())
+    def _build_tokenizer(self, fut: concurrent.futures.Future) -> None:
         try:
+            text = grammar_tokenizer_json(self._tokenizer_json())
             tokenizer = build_tokenizer(text, self._vocab_size, self._eos)
-        except Exception:
+        except Exception as e:
             log.warning("llguidance cannot read this tokenizer; structured outputs are unavailable",
                         exc_info=True)
-            raise
+            fut.set_exception(e)
+            return
         self._checker = GrammarChecker(text, self._vocab_size, self._eos) if self._isolate else None
         self._vocab_size = max(self._vocab_size, tokenizer.vocab_size)
-        return tokenizer
+        fut.set_result(tokenizer)
 
-    def _future(self, spec: GrammarSpec) -> concurrent.futures.Future:
-        with self._lock:
-            fut = self._cache.get(spec)
-            if fut is not None:
+    def _join(self, spec: GrammarSpec) -> _Compile:
+        """The spec's compile (cached, in flight, or queued now), with one more waiter."""
+        with self._cond:
+            job = self._cache.get(spec)
+            if job is not None:
                 self._cache.move_to_end(spec)
-                return fut
-            fut = self._started_pool().submit(self._compile, spec)
-            self._cache[spec] = fut
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return fut
+            else:
+                job = _Compile(spec)
+                self._cache[spec] = job
+                self._queue.append(job)
+                if self._workers < COMPILE_THREADS:
+                    self._workers += 1
+                    threading.Thread(target=self._work, args=(self._generation,), daemon=True,
+                                     name="vt-grammar").start()
+                self._cond.notify()
+                self._evict()
+            job.waiters += 1
+            return job
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def _leave(self, job: _Compile, abandon: bool) -> None:
+        """A waiter is done with job; abandon: it went away unanswered, so if no one else waits
+        the compile stops (its check's child is killed) and is forgotten."""
+        with self._cond:
+            job.waiters -= 1
+            if not abandon or job.waiters > 0 or job.future.done():
+                return
+            if self._cache.get(job.spec) is job:
+                del self._cache[job.spec]
+            if job in self._queue:
+                self._queue.remove(job)
+                job.future.cancel()
+                return
+        job.ticket.cancel()
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished compiles past the count or the memory bound
+        (the caller holds the lock)."""
+        done = [spec for spec, job in self._cache.items() if job.future.done()]
+        excess = len(self._cache) - self._cache_size
+        for i, spec in enumerate(done):
+            heavy = self._weight > self._cache_bytes and i < len(done) - KEEP_RECENT
+            if excess <= 0 and not heavy:
+                break
+            self._weight -= self._cache.pop(spec).weight
+            excess -= 1
+
+    def _work(self, generation: int) -> None:
+        """A compile worker: runs queued compiles until shutdown() moves the generation on."""
+        while True:
+            with self._cond:
+                while not self._queue and generation == self._generation:
+                    self._cond.wait()
+                if generation != self._generation:
+                    return
+                job = self._queue.popleft()
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+            try:
+                compiled = self._compile(job)
+            except BaseException as e:  # the waiters get it, whatever it is
+                job.future.set_exception(e)
+                with self._cond:
+                    if not isinstance(e, GrammarError) and self._cache.get(job.spec) is job:
+                        del self._cache[job.spec]  # not the spec's fault: a later request tries again
+                continue
+            job.future.set_result(compiled)
+            with self._cond:
+                if self._cache.get(job.spec) is job:
+                    self._weight += job.weight
+                    self._evict()
+
+    def _compile(self, job: _Compile) -> CompiledGrammar:
         try:
-            tokenizer = self._tokenizer_future().result()  # queued first: running or done
+            tokenizer = self._tokenizer_future().result()
         except Exception as e:  # the model's tokenizer, not the request, is at fault: say so
             raise GrammarError(f"structured outputs are not available for this model's tokenizer "
                                f"({type(e).__name__}: {e})") from None
+        checked: CheckResult | None = None
         if self._checker is not None:
-            self._checker.check(spec)  # in a child process first: a crash there is this spec's 400
-        return CompiledGrammar(new_matchers(spec, tokenizer, MASK_THREADS))
+            try:
+                checked = self._checker.check(job.spec, job.ticket)  # a crash there is this spec's 400
+            except CheckCancelled:
+                raise GrammarUnavailableError("the grammar's compile was stopped (the server is stopping, "
+                                              "or no request waits for it)") from None
+        if job.ticket.cancelled:
+            raise GrammarUnavailableError("the grammar's compile was stopped")
+        templates = new_matchers(job.spec, tokenizer, MASK_THREADS)
+        job.weight = (checked.peak_bytes if checked is not None else 0) * len(templates)
+        return CompiledGrammar(templates)
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar (cached); GrammarError if the spec does not compile."""
-        return await asyncio.wrap_future(self._future(spec))
+        """The compiled grammar (cached); GrammarError if the spec does not compile.
+        GrammarUnavailableError if the compiler is shut down meanwhile. Cancelling the awaiting
+        task stops the compile if no other request waits for it: its child process is killed
+        and its place goes to the next compile at once."""
+        job = self._join(spec)
+        answer = asyncio.wrap_future(job.future)
+        answer.add_done_callback(_retrieved)  # read even after this waiter left: asyncio warns otherwise
+        abandon = True
+        try:
+            result = await asyncio.shield(answer)
+            abandon = False
+            return result
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            abandon = False
+            raise
+        finally:
+            self._leave(job, abandon)
 
     def compile_blocking(self, spec: GrammarSpec) -> CompiledGrammar:
         """compile() for callers without an event loop to keep free (scripts, tests)."""
-        return self._future(spec).result()
+        job = self._join(spec)
+        try:
+            return job.future.result()
+        finally:
+            self._leave(job, abandon=False)
+
+    def in_flight(self) -> int:
+        """Compiles queued or running."""
+        with self._cond:
+            return sum(not job.future.done() for job in self._cache.values())
 
     def guide(self, structured: StructuredOutput) -> Guide:
         """A new request's matcher state. Compiles in the calling thread's wait if the grammar is
@@ -290,25 +312,34 @@ class GrammarCompiler:
     def fill_masks_async(self, guides: Sequence[Guide | None], out: np.ndarray) -> concurrent.futures.Future:
         """fill_masks() on the mask thread (llguidance releases the GIL while it fills, so the
         caller's thread goes on); the future's result() waits for it or raises its error."""
-        with self._lock:
+        with self._cond:
             if self._mask_thread is None:
                 self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vt-masks")
             return self._mask_thread.submit(self.fill_masks, guides, out)
 
     def shutdown(self) -> None:
-        """Stop the compile and mask threads; what was compiled stays cached, a later compile (or
-        fill) starts them again."""
-        with self._lock:
-            pool, self._pool = self._pool, None
+        """Stop compiling and the mask thread, without waiting for any compile: queued compiles
+        and checks under way end with GrammarUnavailableError (their children are killed). What
+        was compiled stays cached; a later compile (or fill) starts the threads again."""
+        with self._cond:
+            self._generation += 1
+            self._workers = 0
+            stopped = [job for job in self._cache.values() if not job.future.done()]
+            for job in stopped:
+                del self._cache[job.spec]
+            queued = list(self._queue)
+            self._queue.clear()
             masks, self._mask_thread = self._mask_thread, None
             if self._tokenizer is not None and not self._tokenizer.done():
                 self._tokenizer = None
-            for spec in [k for k, f in self._cache.items() if not f.done()]:
-                del self._cache[spec]
             checker = self._checker
+            self._cond.notify_all()
+        for job in queued:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(GrammarUnavailableError("the server is stopping"))
+        for job in stopped:
+            job.ticket.cancel()
         if checker is not None:
             checker.close()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
         if masks is not None:
             masks.shutdown(wait=True)  # a fill writes into a step's buffer: let it end

@@ -20,11 +20,36 @@ class GrammarError(ValueError):
     """The schema or grammar cannot be compiled; the message says why."""
 
 
+class GrammarUnavailableError(RuntimeError):
+    """No grammar can be compiled now (the server is stopping): not the request's fault."""
+
+
+MAX_ERROR_CHARS = 500
+# llguidance's own failures (a Rust panic) name an internal assertion; this one is a size limit.
+_SYMBOL_LIMIT = "grammar.symbols.len() < u16::MAX"
+
+
+def error_line(text: str) -> str:
+    """The client's part of a grammar engine message, on one line: its first line (the reason),
+    with the detail line of a regex error ("error: unclosed group") where it has one. llguidance
+    goes on with the grammar's text, its parser state or a panic's backtrace."""
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected"
+    if _SYMBOL_LIMIT in lines[0]:
+        return "the grammar is too large: it needs more than 65,000 grammar symbols"
+    first = lines[0]
+    if first.startswith("panic:"):
+        first = f"the grammar engine failed on this grammar ({first[6:].strip()})"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if first.endswith(":") and detail is not None:
+        first = f"{first} {detail[6:].strip()}"
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
+
+
 def matcher_error(matcher: Any) -> str:
-    """The first line of a matcher's error: the reason. llguidance appends its parser state and
-    the grammar text, which are not the client's to read."""
-    lines = (matcher.get_error() or "").strip().splitlines()
-    return lines[0] if lines else "rejected"
+    """The reason a matcher is in error, on one line (error_line)."""
+    return error_line(matcher.get_error() or "")
 
 
 @dataclass(frozen=True)
