@@ -7,15 +7,23 @@ Chat prompts: the rendered template already holds any BOS it wants, so encode it
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vt.text.chat_template import ChatTemplateError, TemplateCache, render_chat
+from vt.text.chat_template import (
+    ChatTemplateError,
+    TemplateCache,
+    check_controls,
+    check_template,
+    render_chat,
+)
 
 __all__ = ["ChatTemplateError", "DetokStream", "Tokenizer"]
 
+log = logging.getLogger("vt.text")
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6  # prompt tail the detokenizer decodes with, for context-dependent decoders
 _GIL_FREE_CHARS = 4096  # longer texts (token lists) are en/decoded by calls that release the GIL
@@ -80,6 +88,16 @@ class Tokenizer:
             i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._templates = TemplateCache()
+        # Templates rendered in this process: the model's and those trust_chat_template() checked.
+        # Any other (a request's own) renders in a bounded child process (template_process.py).
+        self._trusted: set[str] = set()
+        self._template_processes: Any = None
+        self.chat_template_problem: str | None = None
+        if chat_template:
+            self.chat_template_problem = self.trust_chat_template(chat_template)
+            if self.chat_template_problem is not None:
+                log.warning("the model's chat template cannot render a plain conversation, so chat requests "
+                            "will fail: %s", self.chat_template_problem)
         self._encode_batch = getattr(tok, "encode_batch_fast", None) or getattr(tok, "encode_batch", None)
         self._decode_batch = getattr(tok, "decode_batch", None)
         try:  # tokenizers >= 0.21 streams decodes in Rust; older ones use DetokStream's own window
@@ -152,23 +170,57 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     # ---- chat template -------------------------------------------------------------------
+    def _special_tokens(self) -> dict[str, str]:
+        return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                "pad_token": self.pad_token or ""}
+
+    def trust_chat_template(self, source: str) -> str | None:
+        """Render `source` in this process from now on (the model's template, or the server's
+        --chat-template) if it compiles and renders a plain conversation within its bound;
+        otherwise it stays in the bounded child process and the reason why is returned."""
+        try:
+            problem = check_template(self._templates.get(source), self._special_tokens())
+        except ChatTemplateError as e:
+            problem = str(e)
+        if problem is None:
+            self._trusted.add(source)
+        return problem
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
                             chat_template: str | None = None, variables: dict[str, Any] | None = None,
                             **kwargs: Any) -> str:
         """The prompt text of a chat, as transformers renders it: `chat_template` replaces the
-        model's own; `variables` (and kwargs) reach the template beside the special tokens."""
+        model's own; `variables` (and kwargs) reach the template beside the special tokens.
+        ChatTemplateError for anything the template does wrong; its `param` is "chat_template"
+        where the template is one this process does not trust (a request's own), which is
+        rendered in a child process bounded in time and memory."""
         source = chat_template or self.chat_template
         if not source:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json chat_template or "
                 "chat_template.jinja); use the completions endpoint or provide a template "
                 "(vt serve --chat-template)")
-        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                   "pad_token": self.pad_token or ""}
-        return render_chat(self._templates.get(source), messages, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, tools=tools,
-                           variables={**special, **kwargs, **(variables or {})})
+        variables = {**self._special_tokens(), **kwargs, **(variables or {})}
+        check_controls(messages, add_generation_prompt, continue_final_message)
+        try:
+            if source in self._trusted:
+                return render_chat(self._templates.get(source), messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   variables=variables)
+            if self._template_processes is None:
+                from vt.text.template_process import TemplateProcesses
+
+                self._template_processes = TemplateProcesses()
+            return self._template_processes.render(
+                source, messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, variables=variables)
+        except ChatTemplateError as e:
+            if source != self.chat_template or not str(e).startswith("chat template"):
+                raise
+            # the model's own template failed: not the request's template, say whose it is
+            raise ChatTemplateError(f"{e} (the model's chat template)", "messages") from None
 
 
 class DetokStream:
