@@ -4,14 +4,62 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from vt.sched.kv_publisher import KVEventsConfig
+# ---------------------------------------------------------------------------------------------
+# KV-cache events (--kv-events-config), published by vt.sched.kv_publisher.
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields and defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"           # null | zmq
+    endpoint: str = "tcp://*:5557"    # bound if it has '*', '::', ipc:// or inproc://, else connected
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000        # batches kept for replay
+    hwm: int = 100_000                # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000     # batches waiting for the publisher thread
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """--kv-events-config: a JSON object of KVEventsConfig fields. Raises ValueError naming the
+    field at fault."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-events-config must be a JSON object: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--kv-events-config must be a JSON object")
+    known = {f.name: f for f in fields(KVEventsConfig)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ValueError(f"--kv-events-config: unknown field {key!r} (known: {', '.join(known)})")
+        if key == "enable_kv_cache_events":
+            ok = isinstance(value, bool)
+        elif key in ("buffer_steps", "hwm", "max_queue_size"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif key == "replay_endpoint":
+            ok = value is None or (isinstance(value, str) and value != "")
+        else:
+            ok = isinstance(value, str) and (value != "" or key == "topic")
+        if not ok:
+            raise ValueError(f"--kv-events-config: {key!r} has an invalid value {value!r}")
+    cfg = KVEventsConfig(**raw)
+    if cfg.publisher not in ("null", "zmq"):
+        raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
+    if cfg.enable_kv_cache_events and cfg.publisher == "null" and "publisher" not in raw:
+        cfg = KVEventsConfig(**{**raw, "publisher": "zmq"})  # as vLLM: enabling picks zmq
+    return cfg
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def test_deployment_fits_vt(objs: list[dict[str, Any]]) -> None:
     # the image's entrypoint is `vt serve --host 0.0.0.0 --port 8000`: args are more serve flags
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8000", *c["args"]])
     assert args.model == "/models"
-    from vt.sched.kv_publisher import parse_kv_events_config
+    from vt.config import parse_kv_events_config
 
     assert parse_kv_events_config(args.kv_events_config).enabled
     port = next(p["containerPort"] for p in c["ports"] if p["name"] == "http")

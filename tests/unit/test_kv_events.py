@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from tests.kv_subscriber import KVEventSubscriber
+from vt.config import KVEventsConfig, parse_kv_events_config
 from vt.llm import LLM
 from vt.model.make_model import make_model
 from vt.sampling_params import SamplingParams
 from vt.sched.kv_cache import BlockPool, hash_block
 from vt.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
-from vt.sched.kv_publisher import KVEventsConfig, encode_batch, parse_kv_events_config
+from vt.sched.kv_publisher import encode_batch
 
 WAIT_S = 20.0
 

@@ -7,10 +7,9 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vt import __version__
-from vt.config import EngineConfig
+from vt.config import EngineConfig, KVEventsConfig, parse_kv_events_config
 from vt.launch.vllm_flags import add_model_flags, add_serve_flags, api_options, check_model_flags
 
 log = logging.getLogger("vt.serve")
@@ -24,8 +23,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return action.help
         return super()._get_help_string(action)
 
-if TYPE_CHECKING:
-    from vt.sched.kv_publisher import KVEventsConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -109,8 +106,6 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _kv_events_config(text: str | None) -> KVEventsConfig | None:
     if text is None:
         return None
-    from vt.sched.kv_publisher import parse_kv_events_config
-
     return parse_kv_events_config(text)
 
 
