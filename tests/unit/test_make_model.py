@@ -168,3 +168,12 @@ def test_a_demo_model_from_an_older_vt_is_made_again(tmp_path, monkeypatch):
     tok = HFTokenizer.from_file(str(demo / "tokenizer.json"))
     assert tok.get_vocab_size() == json.loads((demo / "config.json").read_text())["vocab_size"]
     assert [p.name for p in tmp_path.iterdir()] == ["demo-tiny"]
+
+
+def test_the_checkpoint_files_are_readable_by_other_users(tmp_path):
+    """A checkpoint mounted into the image is read by its unprivileged user."""
+    import stat
+
+    out = mm.make_model(tmp_path / "m", preset="tiny", max_shard_bytes=100_000)
+    for f in out.iterdir():
+        assert f.stat().st_mode & stat.S_IROTH, f.name

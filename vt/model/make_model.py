@@ -362,6 +362,12 @@ def _quantize_shard(tensors: dict, quantization: str) -> dict:
     return out
 
 
+def _save(tensors: dict, path: Path, meta: dict) -> None:
+    """safetensors creates its file 0600; a checkpoint is read by others too (a container's user)."""
+    save_file(tensors, str(path), metadata=meta)
+    path.chmod(0o644)
+
+
 def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_bytes: int,
                    quantization: str | None = None) -> None:
     shards: list[list[tuple[int, TensorSpec]]] = [[]]
@@ -380,13 +386,13 @@ def _write_weights(out: Path, specs: list[TensorSpec], seed: int, max_shard_byte
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         if len(shards) == 1:
-            save_file(shard_tensors(shards[0], pool), str(out / "model.safetensors"), metadata=meta)
+            _save(shard_tensors(shards[0], pool), out / "model.safetensors", meta)
             return
         weight_map = {}
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             tensors = shard_tensors(shard, pool)
-            save_file(tensors, str(out / fname), metadata=meta)
+            _save(tensors, out / fname, meta)
             weight_map.update({name: fname for name in tensors})
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
