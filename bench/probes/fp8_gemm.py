@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import statistics
 
 import cupy
@@ -29,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
+from vt.kernels.cublas_lt import Algo, HeuristicResult, load_libcublaslt
 
 CUDA_R_8F_E4M3 = 28
 DESC_TRANSA, DESC_TRANSB = 3, 4
@@ -54,28 +54,9 @@ SHAPES = {
 }
 
 
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def load_liblt() -> ctypes.CDLL:
-    load_libcublas()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rstrip("\n").split(" ")[-1]
-            if os.path.basename(path).startswith("libcublasLt.so"):
-                return ctypes.CDLL(path)
-    return ctypes.CDLL("libcublasLt.so.13")
-
-
 class LtFp8:
     def __init__(self) -> None:
-        self.lib = lib = load_liblt()
+        self.lib = lib = load_libcublaslt()
         for fn in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
                    "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutSetAttribute",
                    "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute",
@@ -136,7 +117,7 @@ class LtFp8:
         status = lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(wsz),
                                                           8)
         self._ok(status, "pref ws")
-        res = (Heuristic * 8)()
+        res = (HeuristicResult * 8)()
         got = ctypes.c_int()
         self._ok(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, *lay, pref, 8, res, ctypes.byref(got)),
                  "heuristic")

@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import itertools
 import json
-import os
 import time
 
 import cupy
@@ -33,7 +32,8 @@ from bench.probes.gemm_decode import (
     time_calls,
 )
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
-from vt.kernels.cuda_ops import _COLUMN_MAJOR_MIN_ASPECT
+from vt.kernels.cublas_lt import Algo, HeuristicResult, load_libcublaslt
+from vt.kernels.gemm import COLUMN_MAJOR_MIN_ASPECT
 
 WORKSPACE = 64 << 20
 
@@ -49,35 +49,11 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 _VP = ctypes.c_void_p
 
 
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class HeuristicResult(ctypes.Structure):
-    _fields_ = [
-        ("algo", Algo),
-        ("workspaceSize", ctypes.c_size_t),
-        ("state", ctypes.c_int),
-        ("wavesCount", ctypes.c_float),
-        ("reserved", ctypes.c_int * 4),
-    ]
-
-
-def load_liblt() -> ctypes.CDLL:
-    load_libcublas()  # libcublas pulls in the libcublasLt it was built with
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rstrip("\n").split(" ")[-1]
-            if os.path.basename(path).startswith("libcublasLt.so"):
-                return ctypes.CDLL(path)
-    return ctypes.CDLL("libcublasLt.so.13")
-
-
 class Lt:
     """The few cuBLASLt entry points the search needs, one handle."""
 
     def __init__(self) -> None:
-        self.lib = lib = load_liblt()
+        self.lib = lib = load_libcublaslt()
         for name in (
             "cublasLtCreate",
             "cublasLtMatmulDescCreate",
@@ -284,7 +260,7 @@ def search_shape(
     top: int,
     rng,
 ) -> dict:
-    col_major = n >= _COLUMN_MAJOR_MIN_ASPECT * k  # as gemm_layout stores it in vt
+    col_major = n >= COLUMN_MAJOR_MIN_ASPECT * k  # as gemm_layout stores it in vt
     weights = rotating_weights(rng, n, k)
     copies = len(weights)
     x = rand_bf16(rng, (rows, k))

@@ -35,13 +35,17 @@ _SCALE_OUTER_VEC, _SCALE_VEC128, _SCALE_BLK128 = 3, 4, 5
 _VP = ctypes.c_void_p
 
 
-class _Algo(ctypes.Structure):
+class Algo(ctypes.Structure):
+    """cublasLtMatmulAlgo_t."""
+
     _fields_ = [("data", ctypes.c_uint64 * 8)]
 
 
-class _Heuristic(ctypes.Structure):
-    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+class HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 def load_libcublaslt() -> ctypes.CDLL:
@@ -64,7 +68,7 @@ def load_libcublaslt() -> ctypes.CDLL:
 class _Plan:
     desc: _VP
     layouts: tuple[_VP, _VP, _VP, _VP]  # A (w), B (x), C, D
-    algo: _Algo
+    algo: Algo
 
 
 class CublasLtFp8:
@@ -80,7 +84,7 @@ class CublasLtFp8:
         lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(_VP), ctypes.c_int, ctypes.c_uint64,
                                                    ctypes.c_uint64, ctypes.c_int64]
         lib.cublasLtMatmulDescSetAttribute.argtypes = [_VP, ctypes.c_int, _VP, ctypes.c_size_t]
-        lib.cublasLtMatmul.argtypes = [_VP] * 12 + [ctypes.POINTER(_Algo), _VP, ctypes.c_size_t, _VP]
+        lib.cublasLtMatmul.argtypes = [_VP] * 12 + [ctypes.POINTER(Algo), _VP, ctypes.c_size_t, _VP]
         self._handle = _VP()
         self._check(lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
         self._plans: dict[tuple[int, int, int, bool, int], _Plan] = {}
@@ -129,7 +133,7 @@ class CublasLtFp8:
         status = lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
                                                           ctypes.sizeof(ws))
         self._check(status, "preference workspace")
-        found = _Heuristic()
+        found = HeuristicResult()
         count = ctypes.c_int()
         status = lib.cublasLtMatmulAlgoGetHeuristic(self._handle, desc, *layouts, pref, 1,
                                                     ctypes.byref(found), ctypes.byref(count))
