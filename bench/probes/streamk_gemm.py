@@ -64,7 +64,7 @@ def source(tokens: tuple[int, ...] = TOKEN_TILES, replace: Mapping[str, str] | N
 
 
 def compile_cubin(src: str, arch: str = "sm_90a") -> bytes:
-    from vt.kernels.cuda_ops import compile_cubin as nvrtc_cubin
+    from vt.kernels.cuda_core import compile_cubin as nvrtc_cubin
 
     return nvrtc_cubin(src, "streamk_gemm.cu", arch)
 
