@@ -29,11 +29,11 @@ from vt.bench.client import ConnectionPool, Endpoint, read_metrics, stream_compl
 from vt.bench.run import (
     BenchConfig,
     ServerProcess,
-    _payload,
-    _run_async,
-    _server_info,
     make_prompts,
     pool_from_server,
+    request_payload,
+    run_async,
+    server_info,
 )
 from vt.bench.stats import RequestRecord, gpu_stats, summarize
 
@@ -63,12 +63,12 @@ def guided(index: int, share: int) -> bool:
 
 async def run_load(url: str, cfg: BenchConfig, share: int) -> dict:
     ep = Endpoint.from_url(url, None)
-    model, _ = await _server_info(ep, cfg)
+    model, _ = await server_info(ep, cfg)
     prompts = make_prompts(await pool_from_server(ep, model), cfg)
     fmt = {"type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA}}
 
     def payload(i: int) -> dict:
-        body = _payload(prompts[i], model, cfg)
+        body = request_payload(prompts[i], model, cfg)
         if guided(i, share):
             body["response_format"] = fmt
         return body
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             for on in {"both": (True, False), "on": (True,), "off": (False,)}[args.arms]:
                 arm = "--async-scheduling" if on else "--no-async-scheduling"
                 with ServerProcess(args.model, (*flags, arm), cfg.server_timeout, launcher) as srv:
-                    run = _run_async(run_load(srv.url, cfg, share))
+                    run = run_async(run_load(srv.url, cfg, share))
                 run.update({"async": on, "repeat": repeat})
                 runs.append(run)
                 print(f"share {share}% async {'on' if on else 'off'} (repeat {repeat + 1}): "

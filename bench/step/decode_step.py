@@ -195,7 +195,8 @@ def main() -> None:
         runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device,
                                   args.prefill)
         print(f"{mode}: runner built in {time.perf_counter() - t_build:.1f} s "
-              f"({len(runner.graphs)} decode graphs, {len(runner.pieces)} per-layer graph sets)", flush=True)
+              f"({len(runner.graphs)} decode graphs, {len(runner.layer_graphs)} per-layer graph sets)",
+              flush=True)
         for b in batches:
             floor = floor_seconds(mc, b, args.context)
             roof = roofline_seconds(mc, b, args.context)

@@ -343,7 +343,7 @@ class Progress:
             self.stream.flush()
 
 
-def _payload(p: Prompt, model: str, cfg: BenchConfig) -> dict:
+def request_payload(p: Prompt, model: str, cfg: BenchConfig) -> dict:
     body: dict[str, Any] = {
         "model": model, "prompt": list(p.token_ids), "max_tokens": p.output_len, "stream": True,
         "stream_options": {"include_usage": True}, "temperature": cfg.temperature,
@@ -377,7 +377,7 @@ class RunResult:
     server: dict[str, Any] = field(default_factory=dict)
 
 
-async def _server_info(ep: Endpoint, cfg: BenchConfig) -> tuple[str, int | None]:
+async def server_info(ep: Endpoint, cfg: BenchConfig) -> tuple[str, int | None]:
     try:
         status, body = await http_json(ep, "GET", "/v1/models")
     except OSError as e:
@@ -401,7 +401,8 @@ async def run_load(ep: Endpoint, model: str, prompts: list[Prompt], cfg: BenchCo
                    label: str) -> RunResult:
     """Warm up with one request, then send every prompt on the arrival schedule and collect records."""
     warm = RequestRecord(index=-1, input_tokens=len(prompts[0].token_ids))
-    test = _payload(Prompt(-1, prompts[0].token_ids, min(2, prompts[0].output_len), cfg.priority), model, cfg)
+    first = prompts[0]
+    test = request_payload(Prompt(-1, first.token_ids, min(2, first.output_len), cfg.priority), model, cfg)
     await stream_completion(ep, test, warm, time.perf_counter())
     if not warm.success:
         raise BenchError(f"the test request failed: {warm.error}")
@@ -417,10 +418,10 @@ async def run_load(ep: Endpoint, model: str, prompts: list[Prompt], cfg: BenchCo
 
     async def one(p: Prompt, rec: RequestRecord) -> None:
         if sem is None:
-            await stream_completion(ep, _payload(p, model, cfg), rec, t0, pool)
+            await stream_completion(ep, request_payload(p, model, cfg), rec, t0, pool)
         else:
             async with sem:
-                await stream_completion(ep, _payload(p, model, cfg), rec, t0, pool)
+                await stream_completion(ep, request_payload(p, model, cfg), rec, t0, pool)
         bar.advance()
 
     t0 = time.perf_counter()
@@ -443,7 +444,7 @@ async def run_load(ep: Endpoint, model: str, prompts: list[Prompt], cfg: BenchCo
 
 async def bench_endpoint(url: str, cfg: BenchConfig, label: str, pool: list[int] | None) -> RunResult:
     ep = Endpoint.from_url(url, cfg.api_key)
-    model, max_len = await _server_info(ep, cfg)
+    model, max_len = await server_info(ep, cfg)
     if pool is None:
         pool = await pool_from_server(ep, model)
     prompts = make_prompts(pool, cfg)
@@ -456,7 +457,7 @@ async def bench_endpoint(url: str, cfg: BenchConfig, label: str, pool: list[int]
     return result
 
 
-def _run_async(coro):
+def run_async(coro):
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency
@@ -525,7 +526,7 @@ def run_with_server(cfg: BenchConfig, extra_flags: tuple[str, ...], label: str,
     assert cfg.model_dir is not None
     with ServerProcess(cfg.model_dir, cfg.serve_flags + extra_flags, cfg.server_timeout) as srv:
         assert srv.url is not None
-        result = _run_async(bench_endpoint(srv.url, cfg, label, pool))
+        result = run_async(bench_endpoint(srv.url, cfg, label, pool))
     result.server["flags"] = list(cfg.serve_flags + extra_flags)
     return result
 
@@ -641,7 +642,7 @@ def _config_json(cfg: BenchConfig) -> dict:
 def run_single(cfg: BenchConfig) -> int:
     pool = pool_from_tokenizer(cfg.model_dir) if cfg.model_dir else None
     if cfg.base_url:
-        result = _run_async(bench_endpoint(cfg.base_url, cfg, "bench", pool))
+        result = run_async(bench_endpoint(cfg.base_url, cfg, "bench", pool))
     else:
         result = run_with_server(cfg, (), "bench", pool)
     print(format_summary(result.summary))

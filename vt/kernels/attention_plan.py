@@ -63,7 +63,7 @@ class PrefillTiling(NamedTuple):
 # rows on wgmma (attention_wg.cu, sm_90 only), one block an SM; wgp: wg with each tile's P V
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
-# (bench/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
+# (bench/kernels/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
 # register A, 128-key tiles, K loaded two tiles ahead) is the fastest on every case, 1.7-2.3x r64,
 # and the default. A GPU without sm_90 (or a head dim wgr lacks) runs r64. VT_PREFILL_TILING
 # picks one for a benchmark. The shared memory follows each entry's template arguments in
