@@ -143,7 +143,7 @@ def install(step_ms: float, token_us: float, cost_model: bool = False) -> None:
         st, forward = job
         if forward is not None:
             forward.result()  # the step's first pass; the sampler's own time is in the step's
-        sample(self, st, self.slots[st.slot].late.ids, True)
+        sample(self, st, self.slots[st.slot].masked_out.ids, True)
 
     runner.ModelRunner.__init__ = with_clock
     runner.ModelRunner.execute = priced

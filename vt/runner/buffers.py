@@ -101,8 +101,3 @@ class SlotBuffers:
         # guided rows'): ids, the chosen logprob, top ids and top logprobs
         self.out = SampledBuffers.pinned(ops, max_seqs)
         self.masked_out = SampledBuffers.pinned(ops, max_seqs)
-
-    @property
-    def late(self) -> SampledBuffers:
-        """masked_out, by the name bench/serving/emulated_device.py reads it."""
-        return self.masked_out
