@@ -131,7 +131,9 @@ class GrammarCompiler:
         with self._cond:
             if self._tokenizer is None:
                 self._tokenizer = concurrent.futures.Future()
-                threading.Thread(target=self._build_tokenizer, args=(self._tokenizer,), daemon=True,
+                # not a daemon: an exit waits for the build (about a second) rather than tearing
+                # the interpreter down under llguidance's code
+                threading.Thread(target=self._build_tokenizer, args=(self._tokenizer,),
                                  name="vt-grammar-vocab").start()
             return self._tokenizer
 
