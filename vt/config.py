@@ -90,6 +90,7 @@ class EngineConfig:
     split_decode_sms: int | None = None
     quantization: str | None = None       # --quantization: fp8 weights (vt.model.quantization)
     kv_cache_dtype: str = "auto"          # --kv-cache-dtype: auto (the model's dtype) | fp8
+    tokenizer: str | None = None          # --tokenizer: the tokenizer's folder (None: the model's)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None         # top logprobs per token, 0..20
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True  # false: added tokens that follow one another get no space
     structured: StructuredOutput | None = None  # a grammar the output must follow
     # Added to a token's logit before sampling (OpenAI's logit_bias); token id -> bias in
     # [-100, 100]. A dict is accepted and kept as (id, bias) pairs sorted by id.
@@ -122,7 +123,8 @@ class SamplingParams:
         set_("stop", self._normalize_stop(self.stop))
         set_("stop_token_ids", self._normalize_stop_ids(self.stop_token_ids))
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {preview(value)}")
@@ -141,8 +143,8 @@ class SamplingParams:
             set_(name, v)
 
         rp = _check_float("repetition_penalty", self.repetition_penalty)
-        if not 0 < rp <= 2:
-            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be in (0, 2], got {rp}")
+        if not rp > 0:
+            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be > 0, got {rp}")
         set_("repetition_penalty", rp)
 
         if self.logprobs is not None:

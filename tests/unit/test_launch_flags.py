@@ -118,3 +118,45 @@ def test_vllm_flags_parse_with_their_defaults():
 ])
 def test_served_model_name_defaults_to_the_model_argument(served, model_arg, names):
     assert _model_names(served, model_arg, "/cache/demo-tiny") == names
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
+    (("--load-format", "pt"), "--load-format pt: vt reads safetensors weights only"),
+    (("--load-format", "dummy"), "vt make-model"),
+    (("--load-format", "tensorizer"), "--load-format tensorizer: vt reads safetensors weights only"),
+    (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2: vt serves one replica"),
+    (("-dp", "2"), "--data-parallel-size 2: vt serves one replica"),
+    (("-pp", "0"), "--pipeline-parallel-size must be at least 1"),
+    (("--swap-space", "-1"), "--swap-space must be >= 0"),
+    (("--allowed-origins", "*"), "expected a JSON list of strings"),
+    (("--override-generation-config", "[1]"), "expected a JSON object"),
+    (("--override-generation-config", '{"temperature": -1}'), "temperature must be >= 0"),
+    (("--enable-log-requests", "--disable-log-requests"), "contradict each other"),
+    (("--tokenizer", "/no/such/tokenizer"), "--tokenizer /no/such/tokenizer"),
+    (("--uvicorn-log-level", "loud"), "invalid choice: 'loud'"),
+    (("--response-role", ""), "--response-role must not be empty"),
+    (("--dtype", "float16"), "vt runs bfloat16 weights"),
+])
+def test_refused_and_unknown_flags_print_vt_serves_usage_and_the_reason(model, args, needle):
+    r = vt("serve", str(model), "--device", "cpu", *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("usage: vt serve") and "usage: vt [-h]" not in r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_several_api_keys_before_the_model_are_refused_not_read_as_the_model():
+    r = vt("serve", "--api-key", "k1", "/models/x", "--device", "cpu")
+    assert r.returncode == 2 and "put MODEL before --api-key" in r.stderr
+
+
+def test_vllm_frontend_flags_parse_with_vllms_defaults():
+    args = build_parser().parse_args(["serve", "m"])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers) == (["*"], ["*"], ["*"])
+    assert not args.allow_credentials and not args.return_tokens_as_token_ids
+    assert args.response_role == "assistant"
+    assert (args.load_format, args.tokenizer, args.disable_uvicorn_access_log) == ("auto", None, False)
+    args = build_parser().parse_args(["serve", "m", "--allowed-origins", '["https://a.example"]',
+                                      "--override-generation-config", '{"top_k": 5}', "-pp", "1", "-dp", "1"])
+    assert args.allowed_origins == ["https://a.example"] and args.override_generation_config == {"top_k": 5}
+    assert (args.pipeline_parallel_size, args.data_parallel_size) == (1, 1)

@@ -26,7 +26,7 @@ BAD = [
     ("min_tokens", -1), ("min_tokens", 1.0),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 3),
     ("frequency_penalty", float("nan")),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 2.5), ("repetition_penalty", -1),
+    ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("repetition_penalty", -1),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
     ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 100.5}),

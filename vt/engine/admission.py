@@ -87,9 +87,9 @@ def check_params(params: SamplingParams, limits: AdmissionLimits, num_prompts: i
                                                  f"got {params.temperature}")
     if float(np.float32(params.top_p)) < F32_TINY:
         changes["top_p"] = F32_TINY
-    if float(np.float32(params.repetition_penalty)) < F32_TINY:
-        raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be at least "
-                                                        f"{F32_TINY:.4g} (float32), got "
+    if params.repetition_penalty > F32_MAX or float(np.float32(params.repetition_penalty)) < F32_TINY:
+        raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be in [{F32_TINY:.4g}, "
+                                                        f"{F32_MAX:.4g}] (float32), got "
                                                         f"{params.repetition_penalty}")
     check_token_ids(params.stop_token_ids, limits, "stop_token_ids")
     if params.logit_bias is not None:

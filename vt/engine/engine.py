@@ -94,7 +94,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         device = {"cpu": "numpy"}.get(config.device, config.device)
         self.ops = get_backend(device, config.tensor_parallel_size)
         self.max_model_len = mml = _checked_max_model_len(config, self.model_config)
@@ -115,7 +115,7 @@ class AsyncEngine:
         self.depth = 2 if config.async_scheduling else 1
         self._states: dict[str, RequestState] = {}
         self._stats = EngineStats(block_size=config.block_size, num_gpu_blocks=self.runner.num_blocks,
-                                  enable_prefix_caching=config.enable_prefix_caching)
+                                  enable_prefix_caching=config.enable_prefix_caching, max_model_len=mml)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
@@ -221,7 +221,7 @@ class AsyncEngine:
         return await self.grammars.compile(spec)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         if self._failures.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._failures.dead}")
         if request_id in self._states:
@@ -246,12 +246,14 @@ class AsyncEngine:
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         self._seq += 1
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                      arrival=time.monotonic(), seq=self._seq, priority=priority, max_tokens=max_tokens)
+                      arrival=time.monotonic(), seq=self._seq, priority=priority, max_tokens=max_tokens,
+                      cache_salt=cache_salt)
         self.scheduler.add(req)  # raises ValueError for a request that can never fit
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         stop_ids = frozenset(params.stop_token_ids) | eos
         detok = DetokStream(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
-                            params.stop, params.include_stop_str_in_output)
+                            params.stop, params.include_stop_str_in_output,
+                            params.spaces_between_special_tokens)
         state = RequestState(req, detok, RequestStream(self, request_id), stop_ids, guide)
         self._states[request_id] = state
         self._stats.prompt_tokens_total += n
@@ -366,11 +368,15 @@ class AsyncEngine:
                 self.runner.release(rid)
             return Launch.NOTHING
         stats = self._stats
+        stats.iteration_tokens_total.observe(batch.num_tokens)
+        now = time.monotonic()
         # An admitted request starts past the prompt tokens the prefix cache had.
         for s in batch.seqs:
             if s.new is not None:
                 stats.prefix_cache_hit_tokens_total += s.start_pos
                 stats.prefix_cache_queries_total += len(s.new.prompt_token_ids) + len(s.new.output_token_ids)
+                if (state := self._states.get(s.request_id)) is not None and state.scheduled_time is None:
+                    state.scheduled_time = now  # its queue time ends at its first admission
         if not self._inflight and self._last_done is not None and self._busy_after_done:
             # The device sat idle from the last completion to this launch with work waiting: the
             # gap async scheduling exists to close.
@@ -617,6 +623,8 @@ class AsyncEngine:
         now = time.monotonic()
         self._stats.request_success_total[reason] += 1
         self._stats.e2e_request_latency_seconds.observe(now - req.arrival)
+        self._stats.observe_finished(len(req.prompt_token_ids), len(req.output_token_ids), req.arrival,
+                                     state.scheduled_time, state.first_token_time, state.last_token_time)
         state.stream.put(RequestOutput(
             req.request_id, text, token_ids, lp, True, reason, stop_reason, len(req.prompt_token_ids),
             len(req.output_token_ids), req.num_cached_tokens, error))

@@ -18,5 +18,6 @@ class RequestState:
     stop_ids: frozenset[int]
     guide: Guide | None = None  # structured outputs: the grammar state the next mask comes from
     finished: bool = False
+    scheduled_time: float | None = None  # first admitted to a step: its queue time ends there
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -33,7 +33,9 @@ class ChatRoute:
     async def handle(self, http_request: HttpRequest) -> Response | StreamResponse:
         context, generation = self._context, self._generation
         engine = context.engine
-        chat = parse_chat_body(parse_json_object(http_request.body), context.options.enable_auto_tool_choice)
+        options = context.options
+        chat = parse_chat_body(parse_json_object(http_request.body), options.enable_auto_tool_choice,
+                               options.response_role)
         request = generation.with_defaults(chat.request, chat.given, "top_logprobs")
         context.check_model(request.model)
         limits = engine.limits
@@ -52,52 +54,62 @@ class ChatRoute:
         request = dataclasses.replace(request, params=params)
         launch = generation.launch("chatcmpl", [prompt_ids], request, max_tokens)
         if request.stream:
-            events = self._events(launch, request, len(prompt_ids), chat, plan)
+            events = self._events(launch, request, prompt_ids, chat, plan)
             return stream_response(engine, launch.streams, events)
         await collect(http_request, launch.streams, launch.choices)
         replies = [plan.reply(chat.reply_role, "".join(c.text), chat.echoed, c.finish_reason)
                    for c in launch.choices]
+        choices = [{
+            "index": c.index,
+            "message": message,
+            "logprobs": (self._logprobs.chat(c.logprobs, request.tokens_as_ids, lazy=True)
+                         if request.want_logprobs else None),
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+            **({"token_ids": c.token_ids} if request.return_token_ids else {}),
+        } for c, (message, finish_reason) in zip(launch.choices, replies)]
         return json_body({
             "id": launch.response_id, "object": "chat.completion", "created": launch.created,
-            "model": context.served_model_name,
-            "choices": [{
-                "index": c.index,
-                "message": message,
-                "logprobs": (self._logprobs.chat(c.logprobs, request.tokens_as_ids, lazy=True)
-                             if request.want_logprobs else None),
-                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-            } for c, (message, finish_reason) in zip(launch.choices, replies)],
+            "model": context.served_model_name, "choices": choices,
             "usage": usage(len(prompt_ids), launch.choices),
+            **({"prompt_token_ids": prompt_ids} if request.return_token_ids else {}),
         })
 
-    def _events(self, launch: Launch, request: ChatRequest, num_prompt_tokens: int, chat: ChatBody,
+    def _events(self, launch: Launch, request: ChatRequest, prompt_ids: list[int], chat: ChatBody,
                 plan: ChatOutputPlan) -> StreamEvents:
         choices = launch.choices
+        num_prompt_tokens = len(prompt_ids)
         want_logprobs, as_ids = request.want_logprobs, request.tokens_as_ids
         head = {"id": launch.response_id, "object": "chat.completion.chunk", "created": launch.created,
                 "model": self._context.served_model_name}
 
-        def chunk(choice: dict[str, Any]) -> bytes:
-            body = {**head, "choices": [choice]}
-            if request.include_usage:
+        def chunk(choice: dict[str, Any], completion_tokens: int = 0, **top: Any) -> bytes:
+            body = {**head, **top, "choices": [choice]}
+            if request.continuous_usage:  # each choice's tokens so far, as vLLM counts them
+                body["usage"] = usage(num_prompt_tokens, [], completion_tokens)
+            elif request.include_usage:
                 body["usage"] = None
             return sse_event(body)
 
         plain_event = TextEvents(lambda index, text: {**head, "choices": [{
             "index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
             "stop_reason": None}], **({"usage": None} if request.include_usage else {})})
+        # vLLM's return_token_ids: the prompt's ids with each choice's first chunk
+        prompt_top = {"prompt_token_ids": prompt_ids} if request.return_token_ids else {}
         first = [chunk({"index": c.index, "delta": {"role": chat.reply_role, "content": ""},
-                        "logprobs": None, "finish_reason": None}) for c in choices]
+                        "logprobs": None, "finish_reason": None}, **prompt_top) for c in choices]
         if chat.echoed:
             first += [chunk({"index": c.index, "delta": {"content": chat.echoed}, "logprobs": None,
                              "finish_reason": None}) for c in choices]
 
         # reasoning and tool calls reshape each delta (chat_output); plain replies skip that
         shapers = [plan.shaper() for _ in choices] if plan.shapes else None
+        # Fields that change with every token leave the pre-serialised plain event aside.
+        plain = not (want_logprobs or shapers is not None or request.continuous_usage
+                     or request.return_token_ids)
 
         def output(i: int, out: RequestOutput) -> list[bytes]:
             choices[i].update(out)
-            if not out.finished and not want_logprobs and shapers is None and (out.text or out.token_ids):
+            if not out.finished and plain and (out.text or out.token_ids):
                 return [plain_event(i, out.text)]
             if out.finished and out.finish_reason == "error":
                 return [error_event(out), DONE]
@@ -109,12 +121,15 @@ class ChatRoute:
                 reason = shapers[i].finish_reason(reason, shapers[i].called)
             else:
                 delta = {"content": out.text} if out.text or out.token_ids else {}
-            return [chunk({
+            shaped = {
                 "index": i, "delta": delta,
                 "logprobs": self._logprobs.chat(list(out.logprobs or ()), as_ids) if want_logprobs else None,
                 "finish_reason": reason,
                 "stop_reason": out.stop_reason if out.finished else None,
-            })]
+            }
+            if request.return_token_ids:
+                shaped["token_ids"] = list(out.token_ids)
+            return [chunk(shaped, choices[i].num_output_tokens)]
 
         def last() -> list[bytes]:
             if not request.include_usage:

@@ -32,6 +32,7 @@ class ChatBody:
     include_reasoning: bool             # vLLM's include_reasoning: false drops the reasoning text
     max_tokens_param: str               # "max_completion_tokens" or "max_tokens", as the client named it
     given: frozenset[str]               # the fields set: the model's sampling defaults fill the others
+    response_role: str = "assistant"    # --response-role: the reply's role after a generation prompt
 
     @property
     def max_tokens_given(self) -> bool:
@@ -39,8 +40,10 @@ class ChatBody:
 
     @property
     def reply_role(self) -> str:
-        """vLLM's reply role: the final message's when no generation prompt opens an assistant turn."""
-        return "assistant" if self.template.add_generation_prompt else self.request.messages[-1]["role"]
+        """vLLM's reply role: --response-role's after a generation prompt, else the final message's."""
+        if self.template.add_generation_prompt:
+            return self.response_role
+        return self.request.messages[-1]["role"]
 
     @property
     def echoed(self) -> str:
@@ -50,8 +53,10 @@ class ChatBody:
         return last["content"] if self.echo and last["role"] == self.reply_role else ""
 
 
-def parse_chat_body(body: dict[str, Any], auto_tool_choice: bool) -> ChatBody:
-    """auto_tool_choice: the server parses tool calls (--enable-auto-tool-choice)."""
+def parse_chat_body(body: dict[str, Any], auto_tool_choice: bool,
+                    response_role: str = "assistant") -> ChatBody:
+    """auto_tool_choice: the server parses tool calls (--enable-auto-tool-choice); response_role:
+    the role of a reply that a generation prompt opens (--response-role)."""
     request = parse_chat_request(body)
     template = parse_template_options(body)
     tools = parse_tool_plan(body, template.tools, auto_tool_choice)
@@ -61,4 +66,4 @@ def parse_chat_body(body: dict[str, Any], auto_tool_choice: bool) -> ChatBody:
         request=request, template=template, tools=tools, constraint=constraint,
         echo=get_bool(body, "echo", False), include_reasoning=get_bool(body, "include_reasoning", True),
         max_tokens_param="max_completion_tokens" if "max_completion_tokens" in given else "max_tokens",
-        given=given)
+        given=given, response_role=response_role)

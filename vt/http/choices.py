@@ -22,6 +22,7 @@ class Choice:
     index: int
     request_id: str
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_output_tokens: int = 0
     finished: bool = False
@@ -32,6 +33,7 @@ class Choice:
 
     def update(self, out: RequestOutput) -> None:
         self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         self.num_output_tokens = out.num_output_tokens
@@ -42,8 +44,9 @@ class Choice:
             self.error = out.error
 
 
-def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
-    completion = sum(c.num_output_tokens for c in choices)
+def usage(num_prompt_tokens: int, choices: list[Choice], more_tokens: int = 0) -> dict[str, int]:
+    """OpenAI's usage object: the prompt tokens and the choices' output tokens (plus more_tokens)."""
+    completion = sum(c.num_output_tokens for c in choices) + more_tokens
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": num_prompt_tokens + completion}
 

@@ -50,19 +50,24 @@ class CompletionRoute:
                                     "max_tokens")
         request = dataclasses.replace(request, params=await constrain(engine, request.params, field))
         num_prompt_tokens = sum(map(len, prompts))
+        echoes = [await self._echo(prompt, ids, request) for prompt, ids in zip(request.prompts, prompts)] \
+            if request.echo else None
         launch = generation.launch("cmpl", prompts, request, max_tokens)
         if request.stream:
-            return stream_response(engine, launch.streams, self._events(launch, request, num_prompt_tokens))
+            return stream_response(engine, launch.streams, self._events(launch, request, prompts, echoes))
         await collect(http_request, launch.streams, launch.choices)
         want_logprobs = request.params.logprobs is not None
+        n = request.params.n
         return json_body({
             "id": launch.response_id, "object": "text_completion", "created": launch.created,
             "model": context.served_model_name,
             "choices": [{
-                "index": c.index, "text": "".join(c.text),
+                "index": c.index, "text": (echoes[c.index // n] if echoes else "") + "".join(c.text),
                 "logprobs": (self._logprobs.completion(c.logprobs, c, request.tokens_as_ids, lazy=True)
                              if want_logprobs else None),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                **({"prompt_token_ids": prompts[c.index // n], "token_ids": c.token_ids}
+                   if request.return_token_ids else {}),
             } for c in launch.choices],
             "usage": usage(num_prompt_tokens, launch.choices),
         })
@@ -77,11 +82,26 @@ class CompletionRoute:
             raise ProtocolError("the prompt encodes to no tokens", "prompt")
         return ids
 
-    def _events(self, launch: Launch, request: CompletionRequest, num_prompt_tokens: int) -> StreamEvents:
+    async def _echo(self, prompt: str | tuple[int, ...], ids: list[int], request: CompletionRequest) -> str:
+        """The text echo puts before a prompt's choices: the prompt as sent, or its token ids
+        decoded (special tokens kept, as vLLM decodes them), or what truncation kept of it."""
+        if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
+            return prompt
+        tokenizer = self._context.engine.tokenizer
+        return await self._context.prompts.run(lambda: tokenizer.decode(ids, skip_special_tokens=False),
+                                               len(ids))
+
+    def _events(self, launch: Launch, request: CompletionRequest, prompts: list[list[int]],
+                echoes: list[str] | None) -> StreamEvents:
         want_logprobs, as_ids = request.params.logprobs is not None, request.tokens_as_ids
         choices = launch.choices
+        n = request.params.n
+        num_prompt_tokens = sum(map(len, prompts))
         head = {"id": launch.response_id, "object": "text_completion", "created": launch.created,
                 "model": self._context.served_model_name}
+        # Each choice's first chunk starts with its prompt (echo) and carries the prompt's ids
+        # (return_token_ids), as vLLM streams them.
+        started = [False] * len(choices)
 
         def plain(index: int, text: str) -> dict[str, Any]:
             event = {**head, "choices": [{"index": index, "text": text, "logprobs": None,
@@ -91,25 +111,36 @@ class CompletionRoute:
             return event
 
         plain_event = TextEvents(plain)
+        # Fields that change with every token leave the pre-serialised plain event aside.
+        per_token = want_logprobs or request.continuous_usage or request.return_token_ids
 
         def output(i: int, out: RequestOutput) -> list[bytes]:
             choice = choices[i]
             choice.update(out)
-            if not out.finished and not want_logprobs and (out.text or out.token_ids):
-                return [plain_event(i, out.text)]
+            first = not started[i]
+            started[i] = True
+            text = echoes[i // n] + out.text if echoes and first else out.text
+            if not out.finished and not per_token and (text or out.token_ids):
+                return [plain_event(i, text)]
             if out.finished and out.finish_reason == "error":
                 return [error_event(out), DONE]
-            if nothing_new(out):
+            if not text and nothing_new(out):
                 return []
             shaped = {
-                "index": i, "text": out.text,
+                "index": i, "text": text,
                 "logprobs": (self._logprobs.completion(list(out.logprobs or ()), choice, as_ids)
                              if want_logprobs else None),
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None,
             }
+            if request.return_token_ids:
+                if first:
+                    shaped["prompt_token_ids"] = prompts[i // n]
+                shaped["token_ids"] = list(out.token_ids)
             chunk = {**head, "choices": [shaped]}
-            if request.include_usage:
+            if request.continuous_usage:  # this choice's prompt and tokens so far, as vLLM counts them
+                chunk["usage"] = usage(len(prompts[i // n]), [], choice.num_output_tokens)
+            elif request.include_usage:
                 chunk["usage"] = None
             return [sse_event(chunk)]
 

@@ -33,6 +33,10 @@ class PromptTokenizer(Protocol):
 
     def token_to_id(self, token: str) -> int | None: ...
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id, as the tokenizer stores it (vLLM's token_strs)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **template: Any) -> str | list[int]:
         """The prompt text of a chat (or its token ids, where rendering tokenizes too);
@@ -73,8 +77,10 @@ class EngineClient(Protocol):
         ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue one sequence; its outputs arrive on the stream, in order, the last one finished.
+        cache_salt: prefix-cache hits only among requests that give the same salt (the routes pass
+        it only when a request sets one).
         Raises PromptTooLongError (a 400), QueueFullError or EngineDeadError (503s), or a
         ValueError naming what the request got wrong."""
         ...

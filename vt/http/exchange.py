@@ -21,6 +21,9 @@ from vt.http.flow import FlowControl
 from vt.http.messages import Handler, HttpRequest, PushBody, Response, StreamResponse
 
 logger = logging.getLogger("vt.http")
+# One line per answered request, as uvicorn's access log writes it for vLLM
+# (--disable-uvicorn-access-log turns it off, --uvicorn-log-level sets its level).
+access_logger = logging.getLogger("vt.access")
 
 # Framing is ours: a handler may not override how the body is delimited.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
@@ -48,10 +51,13 @@ class Rejection:
 
 class ServerSide(Protocol):
     """What the worker asks of the server (vt.http.server.HttpServer): the handler, whether it
-    is closing, its counters and the Date header."""
+    is closing, its counters, the Date header and whether requests are logged."""
 
     @property
     def handler(self) -> Handler: ...
+
+    @property
+    def access_log(self) -> bool: ...
 
     @property
     def closing(self) -> bool: ...
@@ -139,6 +145,17 @@ def render_full(response: Response, item: QueuedRequest, keep_alive: bool, date:
                        keep_alive=keep_alive, http10=item.http10, date=date,
                        length=None if no_body else len(body))
     return head if no_body or item.is_head else head + bytes(body)
+
+
+def log_access(item: QueuedRequest, status: int) -> None:
+    """The access-log line of one answered request: `client - "METHOD /path?query HTTP/1.1" 200 OK`."""
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+    request = item.request
+    client = f"{request.client[0]}:{request.client[1]}" if request.client else "-"
+    target = f"{request.path}?{request.query}" if request.query else request.path
+    access_logger.info('%s - "%s %s HTTP/%s" %d %s', client, request.method, target,
+                       "1.0" if item.http10 else "1.1", status, _reason(status))
 
 
 def internal_error() -> Response:
@@ -278,6 +295,8 @@ class Responder:
                 response = internal_error()
                 payload = render_full(response, item, keep_alive, server.date())
             server.count_response(response.status)
+            if server.access_log:
+                log_access(item, response.status)
             await self._flow.write_all(payload)
             return keep_alive
         finally:
@@ -315,9 +334,13 @@ class Responder:
             await close_chunks(chunks)
             error = internal_error()
             server.count_response(error.status)
+            if server.access_log:
+                log_access(item, error.status)
             flow.write(render_full(error, item, keep_alive, server.date()))
             return keep_alive
         server.count_response(response.status)
+        if server.access_log:
+            log_access(item, response.status)
         flow.write(head)
         completed = False
         flow.start_producing(chunks)

@@ -4,6 +4,7 @@ and output in the context, prompt truncation, and starting the engine requests o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -37,6 +38,12 @@ def engine_error(error: Exception) -> HttpError | None:
     return None
 
 
+def salt_key(cache_salt: str) -> str:
+    """The engine's key for a request's cache_salt: a digest of fixed size, so a long salt costs
+    no more than a short one each time the prefix cache hashes a first block."""
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class Launch:
     """The engine requests of one API call: choice k is streams[k]."""
@@ -63,7 +70,10 @@ class Generation:
         if params.logprobs is not None and params.logprobs > cap:
             raise ProtocolError(f"'{logprobs_param}' asks for {params.logprobs} logprobs; this server "
                                 f"returns at most {cap} (--max-logprobs)", logprobs_param)
-        return dataclasses.replace(request, params=params)
+        # --return-tokens-as-token-ids is the default a request's own field overrides, as in vLLM
+        as_ids = request.tokens_as_ids if "return_tokens_as_token_ids" in given \
+            else options.return_tokens_as_token_ids
+        return dataclasses.replace(request, params=params, tokens_as_ids=as_ids)
 
     @staticmethod
     def fit(prompts: list[list[int]], request: GenerationRequest, limits: AdmissionLimits,
@@ -93,9 +103,10 @@ class Generation:
         count = len(prompts) * request.params.n
         request_ids = [response_id] if count == 1 else [f"{response_id}-{i}" for i in range(count)]
         streams = self._start(request_ids, prompts, request, max_tokens)
-        if self._context.options.log_requests and log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: prompt tokens %s, priority %d, %s", response_id, [len(p) for p in prompts],
-                      request.priority, request.params)
+        options = self._context.options
+        if options.log_requests and log.isEnabledFor(options.request_log_level):
+            log.log(options.request_log_level, "request %s: prompt tokens %s, priority %d, %s", response_id,
+                    [len(p) for p in prompts], request.priority, request.params)
         choices = [Choice(i, request_id) for i, request_id in enumerate(request_ids)]
         return Launch(response_id, int(time.time()), streams, choices)
 
@@ -112,10 +123,13 @@ class Generation:
         n = asked.n
         per_prompt: list[SamplingParams] = [
             asked if m == asked.max_tokens else dataclasses.replace(asked, max_tokens=m) for m in max_tokens]
+        # Passed only when given, so an engine client that knows no salt still serves the rest.
+        salted = {} if request.cache_salt is None else {"cache_salt": salt_key(request.cache_salt)}
         try:
             for k, request_id in enumerate(request_ids):
                 params = params_for_choice(per_prompt[k // n], k % n)
-                streams.append(engine.add_request(request_id, prompts[k // n], params, priority=priority))
+                streams.append(engine.add_request(request_id, prompts[k // n], params, priority=priority,
+                                                  **salted))
         except Exception as e:
             for request_id in request_ids[:len(streams)]:
                 engine.abort(request_id)

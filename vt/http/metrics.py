@@ -30,6 +30,13 @@ _HISTOGRAMS = (
     ("time_to_first_token_seconds", "Time to first token."),
     ("inter_token_latency_seconds", "Time between consecutive output tokens."),
     ("e2e_request_latency_seconds", "End-to-end request latency."),
+    ("request_queue_time_seconds", "Time a request waited from arrival to its first step."),
+    ("request_prefill_time_seconds", "Time from a request's first step to its first token."),
+    ("request_decode_time_seconds", "Time from a request's first token to its last."),
+    ("request_inference_time_seconds", "Time from a request's first step to its last token."),
+    ("request_prompt_tokens", "Prompt tokens of each finished request."),
+    ("request_generation_tokens", "Generated tokens of each finished request."),
+    ("iteration_tokens_total", "Tokens computed in each engine step."),
 )
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from vt.http import metrics
 from vt.http.api_options import ApiOptions
@@ -33,6 +34,7 @@ from vt.sampling_params import SamplingParamsError
 from vt.text.preview import preview
 
 log = logging.getLogger("vt.http")
+AnyResponse = TypeVar("AnyResponse", Response, StreamResponse)
 
 
 class ResponseCounts(Protocol):
@@ -50,14 +52,16 @@ def _version() -> str:
 class OpenAIApp:
     """Routes requests to handlers; `server` (settable) supplies HTTP counters for /metrics."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None,
-                 options: ApiOptions | None = None) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str,
+                 api_key: str | Sequence[str] | None = None, options: ApiOptions | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.options = options or ApiOptions()
         self.server: ResponseCounts | None = None
-        # Header values arrive as latin-1 text of the raw bytes: compare bytes with bytes.
-        self._api_key = api_key.encode("utf-8") if api_key else None
+        # Any of the keys opens the API (vLLM takes several). Header values arrive as latin-1
+        # text of the raw bytes: compare bytes with bytes.
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self._api_keys = tuple(k.encode("utf-8") for k in keys if k)
         prompts = PromptPreparer(engine.tokenizer, engine.max_model_len)
         self._context = RouteContext(engine, served_model_name, self.options, prompts)
         generation = Generation(self._context)
@@ -89,24 +93,37 @@ class OpenAIApp:
         self._context.draining = True
 
     async def handle(self, request: HttpRequest) -> Response | StreamResponse:
+        cors = self.options.cors
+        if cors is not None and cors.is_preflight(request.method, request.headers):
+            return cors.preflight(request.headers)  # before routing and the API key, as vLLM's middleware
         try:
-            return await self._route(request)(request)
+            response = await self._route(request)(request)
         except HttpError as e:
-            return Response(e.status, e.body(), headers=e.headers)
+            response = Response(e.status, e.body(), headers=e.headers)
         except (ProtocolError, SamplingParamsError) as e:
-            return Response(400, error_body(str(e), param=e.param))
+            response = Response(400, error_body(str(e), param=e.param))
         except Exception:
             log.exception("unhandled error for %s %s", request.method, request.path)
-            return Response(500, error_body("internal server error", type="internal_server_error"))
+            response = Response(500, error_body("internal server error", type="internal_server_error"))
+        return self._with_cors(request, response)
 
     def precheck(self, request: HttpRequest) -> Response | None:
         """What a request's head alone decides (route, method, API key, content type): an error
         Response, or None when the body is worth receiving (before `100 Continue`)."""
+        cors = self.options.cors
+        if cors is not None and cors.is_preflight(request.method, request.headers):
+            return None  # handle() answers it, on a connection that stays open
         try:
             self._route(request)
         except HttpError as e:
-            return Response(e.status, e.body(), headers=e.headers)
+            return self._with_cors(request, Response(e.status, e.body(), headers=e.headers))
         return None
+
+    def _with_cors(self, request: HttpRequest, response: AnyResponse) -> AnyResponse:
+        # errors carry the headers too, so a browser page can read why it was refused
+        if self.options.cors is not None:
+            response.headers = [*response.headers, *self.options.cors.response_headers(request.headers)]
+        return response
 
     def _route(self, request: HttpRequest) -> Handler:
         route = self._routes.get(request.path)
@@ -129,12 +146,14 @@ class OpenAIApp:
     # --- request checks ---
 
     def _check_auth(self, request: HttpRequest) -> None:
-        if self._api_key is None:
+        if not self._api_keys:
             return
         authorization = request.headers.get("authorization", "")
         scheme, _, token = authorization.partition(" ")
         token_bytes = token.strip(" \t").encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, self._api_key):
+        # every key compared, so the time taken tells nothing of which one came close
+        matches = [hmac.compare_digest(token_bytes, key) for key in self._api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise HttpError(401, "invalid or missing API key", type="authentication_error",
                             code="invalid_api_key", headers=[("www-authenticate", "Bearer")])
 

@@ -38,11 +38,15 @@ class GenerationRequest:
     priority: int
     truncate_prompt_tokens: int | None   # keep only the prompt's last k tokens; -1: max-model-len
     tokens_as_ids: bool                  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    continuous_usage: bool               # stream_options.continuous_usage_stats: usage in every chunk
+    return_token_ids: bool               # vLLM's return_token_ids: the prompt's and each choice's ids
+    cache_salt: str | None               # vLLM's cache_salt: prefix-cache hits only under the same salt
 
 
 @dataclass(frozen=True)
 class CompletionRequest(GenerationRequest):
     prompts: tuple[str | tuple[int, ...], ...]   # each text to encode, or token ids as given
+    echo: bool                                   # each choice's text starts with its prompt's
 
 
 @dataclass(frozen=True)
@@ -139,15 +143,25 @@ def _get_logit_bias(body: dict[str, Any]) -> dict[str, Any] | None:
     return value
 
 
-def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+def _stream_usage(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); as in vLLM, usage in every chunk needs both."""
     stream_options = body.get("stream_options")
     if stream_options is None:
-        return False
+        return False, False
     if not isinstance(stream_options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
     if not stream:
         raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return get_bool(stream_options, "include_usage", False)
+    include = get_bool(stream_options, "include_usage", False)
+    continuous = get_bool(stream_options, "continuous_usage_stats", False)
+    return include, include and continuous
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ProtocolError("'cache_salt' must be a non-empty string", "cache_salt")
+    return salt
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -172,6 +186,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
             logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
             logit_bias=_get_logit_bias(body),
             allowed_token_ids=body.get("allowed_token_ids"),
         )
@@ -187,6 +202,8 @@ _UNSUPPORTED_BOTH = {
     "prompt_logprobs": "'prompt_logprobs' is not supported",
     "use_beam_search": "beam search is not supported",
     "bad_words": "'bad_words' is not supported",
+    "logits_processors": "'logits_processors' is not supported: vt loads no logits processors",
+    "vllm_xargs": "'vllm_xargs' is not supported: vt has no custom logits processors to read it",
 }
 _UNSUPPORTED_COMPLETION = {"suffix": "'suffix' is not supported"}
 _UNSUPPORTED_CHAT = {
@@ -229,16 +246,21 @@ class _CommonFields(TypedDict):
     priority: int
     truncate_prompt_tokens: int | None
     tokens_as_ids: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    cache_salt: str | None
 
 
 def _common(body: dict[str, Any]) -> _CommonFields:
     """The GenerationRequest fields both routes read the same way."""
     _reject_unsupported(body, _UNSUPPORTED_BOTH)
     stream = get_bool(body, "stream", False)
+    include_usage, continuous_usage = _stream_usage(body, stream)
     common = _CommonFields(
-        model=get_str(body, "model"), stream=stream, include_usage=_include_usage(body, stream),
+        model=get_str(body, "model"), stream=stream, include_usage=include_usage,
         priority=get_int(body, "priority", 0), truncate_prompt_tokens=_truncate_prompt_tokens(body),
-        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False))
+        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False), continuous_usage=continuous_usage,
+        return_token_ids=get_bool(body, "return_token_ids", False), cache_salt=_cache_salt(body))
     get_str(body, "user")  # accepted and ignored, but it must be a string as OpenAI documents
     return common
 
@@ -288,23 +310,28 @@ def parse_completion_request(body: dict[str, Any],
     common = _common(body)
     # a prompt to be truncated may be longer than the context: the body size bounds it then
     prompts = parse_prompts(body["prompt"], None if common["truncate_prompt_tokens"] else max_prompt_tokens)
-    if get_bool(body, "echo", False):
-        raise ProtocolError("'echo' is not supported", "echo")
+    echo = get_bool(body, "echo", False)
     _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
     logprobs = get_int(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise ProtocolError(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {logprobs}",
                             "logprobs")
+    if echo and logprobs is not None:
+        # vLLM answers with the prompt tokens' logprobs too; vt computes no prompt logprobs
+        raise ProtocolError("'echo' with 'logprobs' asks for the prompt tokens' logprobs, which vt does "
+                            "not compute (as for 'prompt_logprobs'); drop 'logprobs' to echo the prompt, "
+                            "or 'echo' to get the generated tokens' logprobs", "echo")
     # the completions endpoint keeps OpenAI's historical default of 16 tokens
     max_tokens = get_int(body, "max_tokens", 16)
     params = _sampling_params(body, max_tokens, logprobs, {})
     _best_of(body, params.n)
-    return CompletionRequest(params=params, prompts=prompts, **common)
+    return CompletionRequest(params=params, prompts=prompts, echo=echo, **common)
 
 
 def parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
-    """Chat messages with text content (list content is joined from its text parts) and the tool
-    fields templates read; the `developer` role is `system`, as OpenAI's newer models name it."""
+    """Chat messages with text content (list content is its text parts joined by newlines, as
+    vLLM joins them) and the tool and reasoning fields templates read; the `developer` role is
+    `system`, as OpenAI's newer models name it."""
     if not isinstance(value, list) or not value:
         raise ProtocolError("'messages' must be a non-empty list", "messages")
     out = []
@@ -330,7 +357,7 @@ def parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
                     raise ProtocolError(f"messages[{i}].content text parts need a string 'text'",
                                         "messages")
                 texts.append(text)
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins text parts for templates that take a string
         elif not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content must be a string or a list of parts",
                                 "messages")
@@ -342,7 +369,7 @@ def parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
 
 # Optional message fields chat templates read (tool turns, earlier reasoning): name -> JSON type
 _MESSAGE_FIELDS = {"name": str, "tool_call_id": str, "tool_calls": list, "reasoning_content": str,
-                   "reasoning": str}
+                   "reasoning": str, "thinking": str}
 
 
 def _message_fields(m: dict[str, Any], i: int) -> dict[str, Any]:

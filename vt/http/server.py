@@ -419,7 +419,7 @@ class HttpServer:
     """Serves `handler` over HTTP/1.1 on one listening socket."""
 
     def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits(),
-                 precheck: Precheck | None = None) -> None:
+                 precheck: Precheck | None = None, access_log: bool = True) -> None:
         if not callable(handler):
             raise TypeError("handler must be an async callable taking an HttpRequest")
         if not isinstance(limits, HttpLimits):
@@ -427,6 +427,7 @@ class HttpServer:
         self.handler = handler
         self.limits = limits
         self.precheck = precheck
+        self.access_log = access_log  # a log line per answered request (vt.access, at info)
         self.responses_total: dict[int, int] = {}
         self._in_flight = 0
         self._connections: set[_Connection] = set()

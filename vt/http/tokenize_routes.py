@@ -26,7 +26,11 @@ class TokenizeRoutes:
             ids = await context.prompts.encode(prompt, "prompt", add_special_tokens=add_special)
         else:
             raise ProtocolError("either 'prompt' or 'messages' is required", "prompt")
-        return json_body({"tokens": ids, "count": len(ids), "max_model_len": context.engine.max_model_len})
+        out = {"tokens": ids, "count": len(ids), "max_model_len": context.engine.max_model_len}
+        if get_bool(body, "return_token_strs", False):  # vLLM's: each id's vocabulary entry
+            to_token = context.engine.tokenizer.id_to_token
+            out["token_strs"] = await context.prompts.run(lambda: [to_token(i) for i in ids], len(ids))
+        return json_body(out)
 
     async def detokenize(self, http_request: HttpRequest) -> Response | StreamResponse:
         context = self._context

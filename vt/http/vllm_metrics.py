@@ -1,7 +1,9 @@
 """The model-server-protocol metrics under vLLM's names, so routers and endpoint pickers set up for
 vLLM (the vLLM and SGLang routers, the Gateway API Inference Extension, llm-d) read vt unchanged.
 
-Each family mirrors a `vt:` one from the same EngineStats; only the names differ. Where pickers
+Each family mirrors a `vt:` one from the same EngineStats; only the names differ. The request
+histograms (queue, prefill, decode, inference time; prompt and generated tokens; tokens per
+step) keep vLLM's buckets, so its Grafana dashboard reads them unchanged. Where pickers
 still default to an older vLLM name (`gpu_cache_usage_perc`, `time_per_output_token_seconds`),
 both names are written.
 """
@@ -35,6 +37,20 @@ HISTOGRAMS = (
                                      "vllm:time_per_output_token_seconds"),
      "Time between consecutive output tokens."),
     ("e2e_request_latency_seconds", ("vllm:e2e_request_latency_seconds",), "End-to-end request latency."),
+    # the families vLLM's Grafana dashboard reads beside those, with vLLM's buckets
+    ("request_queue_time_seconds", ("vllm:request_queue_time_seconds",),
+     "Histogram of time spent in WAITING phase for request."),
+    ("request_prefill_time_seconds", ("vllm:request_prefill_time_seconds",),
+     "Histogram of time spent in PREFILL phase for request."),
+    ("request_decode_time_seconds", ("vllm:request_decode_time_seconds",),
+     "Histogram of time spent in DECODE phase for request."),
+    ("request_inference_time_seconds", ("vllm:request_inference_time_seconds",),
+     "Histogram of time spent in RUNNING phase for request."),
+    ("request_prompt_tokens", ("vllm:request_prompt_tokens",), "Number of prefill tokens processed."),
+    ("request_generation_tokens", ("vllm:request_generation_tokens",),
+     "Number of generation tokens processed."),
+    ("iteration_tokens_total", ("vllm:iteration_tokens_total",),
+     "Histogram of number of tokens per engine_step."),
 )
 
 

@@ -10,7 +10,17 @@ from pathlib import Path
 
 from vt import __version__
 from vt.config import EngineConfig, KVEventsConfig, parse_kv_events_config
-from vt.launch.vllm_flags import add_model_flags, add_serve_flags, api_options, check_model_flags
+from vt.launch.vllm_flags import (
+    UVICORN_LOG_LEVELS,
+    FlagError,
+    add_model_flags,
+    add_serve_flags,
+    api_options,
+    check_model_flags,
+    sampling_defaults,
+    serve_notes,
+    tokenizer_dir,
+)
 
 log = logging.getLogger("vt.serve")
 
@@ -88,6 +98,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         from vt.model.locate import resolve_model
 
         path = resolve_model(args.model, args.revision)
+    tokenizer = None if args.tokenizer is None else str(tokenizer_dir(args.tokenizer))
     return EngineConfig(
         model=str(path), device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,7 +110,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
         tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tokenizer=tokenizer,
     )
 
 
@@ -122,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name in the API; more names are accepted as aliases (default: the "
                         "--model argument as given, its last path part also accepted)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or VT_API_KEY)")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the API routes, one of the keys given "
+                        "(default: VT_API_KEY, else VLLM_API_KEY, else none)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
     s.add_argument("--http-header-timeout", type=float, default=None,
@@ -190,61 +203,86 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         parser.print_help()
         return 0
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command = _subparser(parser, args.command)
+    if unknown:  # the command's usage, not the top-level one, so the flag's neighbours show
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        if args.command == "make-model":
-            from vt.model.make_model import make_model
-
-            out = make_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed,
-                             quantization=args.quantization)
-            print(f"vt: wrote {args.preset} {args.arch} checkpoint to {out}")
-            return 0
-        if args.command == "serve" and args.model_pos is not None:
-            if args.model is not None and args.model != args.model_pos:
-                parser.error("give the model either as MODEL or as --model, not both")
-            args.model = args.model_pos
-        if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
-            # `--served-model-name a /models/x` reads the model as a second name: never serve the demo then
-            parser.error("--served-model-name took several names and no model was given; put MODEL "
-                         "before --served-model-name, or use --model")
-        volume_note = None
-        if args.command == "serve" and args.model is None:  # in the image: the mounted checkpoint
-            from vt.launch.model_volume import model_from_volume
-
-            args.model, volume_note = model_from_volume()
-        _positive(args, parser)
-        if args.command == "serve":
-            # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.
-            if not 0 <= args.port <= 65535:
-                parser.error(f"--port must be in [0, 65535], got {args.port}")
-            if args.shutdown_timeout < 0:
-                parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        notes = check_model_flags(args)
-        cfg = _engine_config(args)
-        if args.command == "serve":
-            logging.basicConfig(level=args.log_level.upper(), datefmt="%m-%d %H:%M:%S",
-                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            from vt.launch.serve import limits_from_env, run_server
-
-            limits = limits_from_env(header_timeout_s=args.http_header_timeout,
-                                     keepalive_timeout_s=args.http_keepalive_timeout,
-                                     write_timeout_s=args.http_write_timeout,
-                                     max_connections=args.max_connections,
-                                     max_body_bytes=args.max_body_bytes)
-            name, aliases = _model_names(args.served_model_name, args.model, cfg.model)
-            options = api_options(args, cfg.model, aliases)
-            for note in notes:
-                log.info("%s", note)
-            if volume_note:  # the demo model served by mistake must not go unnoticed
-                log.log(logging.WARNING if args.model is None else logging.INFO, "%s", volume_note)
-            return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits,
-                              options=options, log_stats=not args.disable_log_stats)
-        return _generate(args, cfg)
+        return _run(args, command)
+    except FlagError as e:
+        command.error(str(e))
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"vt: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _run(args: argparse.Namespace, command: argparse.ArgumentParser) -> int:
+    """One command, its flags parsed: FlagError for a flag vt refuses."""
+    if args.command == "make-model":
+        from vt.model.make_model import make_model
+
+        out = make_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed,
+                         quantization=args.quantization)
+        print(f"vt: wrote {args.preset} {args.arch} checkpoint to {out}")
+        return 0
+    if args.command == "serve" and args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            command.error("give the model either as MODEL or as --model, not both")
+        args.model = args.model_pos
+    if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
+        # `--served-model-name a /models/x` reads the model as a second name: never serve the demo then
+        command.error("--served-model-name took several names and no model was given; put MODEL "
+                      "before --served-model-name, or use --model")
+    if args.command == "serve" and args.model is None and len(args.api_key or ()) > 1:
+        command.error("--api-key took several keys and no model was given; put MODEL before --api-key, "
+                      "or use --model")
+    volume_note = None
+    if args.command == "serve" and args.model is None:  # in the image: the mounted checkpoint
+        from vt.launch.model_volume import model_from_volume
+
+        args.model, volume_note = model_from_volume()
+    _positive(args, command)
+    if args.command == "serve":
+        # The socket layer would take 99999 modulo 65536 and listen somewhere unexpected.
+        if not 0 <= args.port <= 65535:
+            command.error(f"--port must be in [0, 65535], got {args.port}")
+        if args.shutdown_timeout < 0:
+            command.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    notes = check_model_flags(args)
+    if args.command == "serve":
+        notes += serve_notes(args)
+    cfg = _engine_config(args)
+    if args.command != "serve":
+        return _generate(args, cfg)
+    logging.basicConfig(level=args.log_level.upper(), datefmt="%m-%d %H:%M:%S",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.uvicorn_log_level is not None:
+        logging.getLogger("vt.access").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
+    from vt.launch.serve import limits_from_env, run_server
+
+    limits = limits_from_env(header_timeout_s=args.http_header_timeout,
+                             keepalive_timeout_s=args.http_keepalive_timeout,
+                             write_timeout_s=args.http_write_timeout,
+                             max_connections=args.max_connections,
+                             max_body_bytes=args.max_body_bytes)
+    name, aliases = _model_names(args.served_model_name, args.model, cfg.model)
+    defaults, default_notes = sampling_defaults(args.generation_config, cfg.model,
+                                                args.override_generation_config)
+    options = api_options(args, cfg.model, aliases, defaults)
+    for note in notes + default_notes:
+        log.info("%s", note)
+    if volume_note:  # the demo model served by mistake must not go unnoticed
+        log.log(logging.WARNING if args.model is None else logging.INFO, "%s", volume_note)
+    return run_server(cfg, args.host, args.port, name, args.api_key, args.shutdown_timeout, limits,
+                      options=options, log_stats=not args.disable_log_stats,
+                      access_log=not args.disable_uvicorn_access_log)
 
 
 def _model_names(served: list[str] | None, model_arg: str | None,

@@ -9,28 +9,34 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vt.config import EngineConfig
 from vt.engine.engine import AsyncEngine
 from vt.http.api_options import ApiOptions
 from vt.http.openai_api import OpenAIApp
 from vt.http.server import HttpLimits, HttpServer
-from vt.launch.startup_log import startup_lines
+from vt.launch.startup_log import seconds_since_process_start, startup_lines
 from vt.launch.stats_log import STATS_INTERVAL_S, log_stats
 
 log = logging.getLogger("vt.serve")
 
 
 async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
-                api_key: str | None, shutdown_timeout: float, limits: HttpLimits | None = None,
-                options: ApiOptions | None = None, log_stats_every: float | None = None) -> int:
-    started = time.monotonic()
+                api_key: str | Sequence[str] | None, shutdown_timeout: float,
+                limits: HttpLimits | None = None, options: ApiOptions | None = None,
+                log_stats_every: float | None = None, access_log: bool = True,
+                key_source: str | None = None) -> int:
+    # Counted from the process's own start: imports and the interpreter take a good share of it.
+    started = time.monotonic() - (seconds_since_process_start() or 0.0)
     engine = AsyncEngine(cfg)
     engine.runner.check_serves_full_context()
+    if cfg.tokenizer is not None and engine.tokenizer.vocab_size > engine.model_config.vocab_size:
+        raise ValueError(f"--tokenizer {cfg.tokenizer}: its {engine.tokenizer.vocab_size} tokens do not fit "
+                         f"the model's vocabulary of {engine.model_config.vocab_size}")
     await engine.start()
     app = OpenAIApp(engine, served_model_name, api_key=api_key, options=options)
-    server = HttpServer(app.handle, limits or HttpLimits(), precheck=app.precheck)
+    server = HttpServer(app.handle, limits or HttpLimits(), precheck=app.precheck, access_log=access_log)
     app.server = server
     await server.start(host, port)
     # What start-up built lives as long as the server: out of the collector's sight, full
@@ -42,6 +48,8 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if key_source is not None:  # that a key guards the API, never the key itself
+        log.info("API key required on /v1/*, /tokenize and /detokenize (from %s)", key_source)
     for line in startup_lines(engine, time.monotonic() - started, app.options.sampling_defaults):
         log.info("%s", line)
     stats = asyncio.create_task(log_stats(engine, log_stats_every)) if log_stats_every else None
@@ -85,17 +93,31 @@ def limits_from_env(env: Mapping[str, str] | None = None, **overrides: float | i
     return HttpLimits(**values)  # validates: every value must be positive
 
 
-def run_server(cfg: EngineConfig, host: str, port: int, served_model_name: str, api_key: str | None,
-               shutdown_timeout: float, limits: HttpLimits | None = None, options: ApiOptions | None = None,
-               log_stats: bool = True) -> int:
+def api_keys(flag: Sequence[str] | None,
+             env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], str | None]:
+    """The keys the API requires and where they came from: --api-key's, else VT_API_KEY, else
+    VLLM_API_KEY (vLLM's variable); none, and no source, when none is set."""
+    env = os.environ if env is None else env
+    keys = tuple(k for k in flag or () if k)
+    if keys:
+        return keys, "--api-key"
+    for var in ("VT_API_KEY", "VLLM_API_KEY"):
+        if env.get(var):
+            return (env[var],), var
+    return (), None
+
+
+def run_server(cfg: EngineConfig, host: str, port: int, served_model_name: str,
+               api_key: str | Sequence[str] | None, shutdown_timeout: float, limits: HttpLimits | None = None,
+               options: ApiOptions | None = None, log_stats: bool = True, access_log: bool = True) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         uvloop = None
-    api_key = api_key or os.environ.get("VT_API_KEY") or None
-    coro = serve(cfg, host, port, served_model_name, api_key, shutdown_timeout,
+    keys, source = api_keys([api_key] if isinstance(api_key, str) else api_key)
+    coro = serve(cfg, host, port, served_model_name, keys, shutdown_timeout,
                  limits if limits is not None else limits_from_env(), options,
-                 STATS_INTERVAL_S if log_stats else None)
+                 STATS_INTERVAL_S if log_stats else None, access_log, source)
     if uvloop is not None:
         return uvloop.run(coro)
     return asyncio.run(coro)

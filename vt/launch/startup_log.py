@@ -3,6 +3,7 @@ memory, KV cache capacity and concurrency, captured graphs, sampling defaults, s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vt import __version__
@@ -10,6 +11,21 @@ from vt.config import ModelConfig
 from vt.model.generation_config import SamplingDefaults
 
 GIB = 1024**3
+
+
+def seconds_since_process_start() -> float | None:
+    """How long ago this process started, from the kernel's record (None where /proc has none):
+    the interpreter and the imports count, as they do for whoever waits for /health."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        # the name field may hold spaces: the start time is the 20th field after its closing ')'
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _bytes(n: float) -> str:

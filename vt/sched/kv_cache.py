@@ -19,14 +19,21 @@ class InvariantError(RuntimeError):
     """The pool's or the scheduler's bookkeeping is inconsistent (a bug, never a user error)."""
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Stable chained hash of one full block: blake2b over the parent hash and the token ids."""
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """Stable chained hash of one full block: blake2b over the parent hash and the token ids.
+
+    A request's cache_salt enters the first block's hash (the one without a parent), as vLLM
+    salts it: every later block chains from that one, so requests with different salts never
+    share a cached block and requests with the same salt do."""
     h = hashlib.blake2b(digest_size=8)
-    # A leading flag byte keeps "no parent" distinct from any parent value.
-    if parent_hash is None:
+    # A leading flag byte keeps "no parent", "a parent" and "a salt" apart from each other.
+    if parent_hash is not None:
+        h.update(b"\x01" + parent_hash.to_bytes(8, "little", signed=False))
+    elif salt is None:
         h.update(b"\x00")
     else:
-        h.update(b"\x01" + parent_hash.to_bytes(8, "little", signed=False))
+        encoded = salt.encode("utf-8", "surrogatepass")
+        h.update(b"\x02" + len(encoded).to_bytes(8, "little") + encoded)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little", signed=False)
 
@@ -41,8 +48,9 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
-        # Content of a cached block: (hash, parent_hash, token_ids); None when it holds no hash.
-        self._content: list[tuple[int, int | None, tuple[int, ...]] | None] = [None] * num_blocks
+        # Content of a cached block: (hash, parent_hash, token_ids, salt); None when it holds no
+        # hash. The salt is a first block's cache_salt (None past the first block, or unsalted).
+        self._content: list[tuple[int, int | None, tuple[int, ...], str | None] | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # hash -> block id
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
@@ -108,8 +116,10 @@ class BlockPool:
             self._content[b] = None
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def register_full(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
-        """Record an owned, full, computed block's content; returns its chained hash.
+    def register_full(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int],
+                      salt: str | None = None) -> int:
+        """Record an owned, full, computed block's content; returns its chained hash. `salt` is
+        the request's cache_salt, read for a first block only (parent_hash None).
 
         If the same content is already cached in another block, that one stays the cache entry
         and this block stays uncached (it is freed to the plain side)."""
@@ -117,12 +127,13 @@ class BlockPool:
             raise ValueError(f"a full block has {self.block_size} tokens, got {len(token_ids)}")
         if self._ref[block_id] <= 0:
             raise InvariantError(f"register_full on unowned block {block_id}")
-        h = hash_block(parent_hash, token_ids)
+        salt = salt if parent_hash is None else None
+        h = hash_block(parent_hash, token_ids, salt)
         if not self.enable_prefix_caching or self._content[block_id] is not None:
             return h
         if h not in self._cached:
             self._cached[h] = block_id
-            self._content[block_id] = (h, parent_hash, tuple(token_ids))
+            self._content[block_id] = (h, parent_hash, tuple(token_ids), salt)
             if self.events is not None:
                 self.events.stored(h, parent_hash, self._content[block_id][2])
         return h
@@ -132,44 +143,46 @@ class BlockPool:
         cached: a snapshot a KV-event subscriber can rebuild the cache from."""
         out = []
         for h, b in self._cached.items():
-            _, parent, tokens = self._content[b]
+            _, parent, tokens, _ = self._content[b]
             out.append(BlockStored((h,), parent, tokens, self.block_size))
         return out
 
-    def _lookup(self, parent: int | None, tokens: tuple[int, ...]) -> tuple[int, int] | None:
-        h = hash_block(parent, tokens)
+    def _lookup(self, parent: int | None, tokens: tuple[int, ...],
+                salt: str | None) -> tuple[int, int] | None:
+        h = hash_block(parent, tokens, salt)
         b = self._cached.get(h)
         if b is None:
             return None
         content = self._content[b]
-        # Collision check: the stored content must match exactly, parent included.
-        if content is None or content[1] != parent or content[2] != tokens:
+        # Collision check: the stored content must match exactly, parent and salt included.
+        if content is None or content[1] != parent or content[2] != tokens or content[3] != salt:
             return None
         return h, b
 
-    def _walk(self, token_ids: Sequence[int]) -> list[int]:
+    def _walk(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         blocks: list[int] = []
         if not self.enable_prefix_caching:
             return blocks
         parent: int | None = None
         bs = self.block_size
         for i in range(len(token_ids) // bs):
-            hit = self._lookup(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            hit = self._lookup(parent, tuple(token_ids[i * bs:(i + 1) * bs]), salt if i == 0 else None)
             if hit is None:
                 break
             parent, b = hit
             blocks.append(b)
         return blocks
 
-    def peek_prefix(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def peek_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """(cached tokens, how many of those blocks sit on the free side), taking no references."""
-        blocks = self._walk(token_ids)
+        blocks = self._walk(token_ids, salt)
         return len(blocks) * self.block_size, sum(1 for b in blocks if self._ref[b] == 0)
 
-    def find_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Longest chain of cached full blocks covering a prefix of token_ids; takes a reference
-        on each (reviving freed ones). Returns (block_ids, number of tokens they cover)."""
-        blocks = self._walk(token_ids)
+    def find_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[list[int], int]:
+        """Longest chain of cached full blocks covering a prefix of token_ids (whose first block
+        was cached under the same salt); takes a reference on each (reviving freed ones).
+        Returns (block_ids, number of tokens they cover)."""
+        blocks = self._walk(token_ids, salt)
         for b in blocks:
             if self._ref[b] == 0:
                 self._free_cached.pop(b)

@@ -34,6 +34,7 @@ class Request:
     arrival: float                      # monotonic time of arrival
     seq: int = 0                        # arrival counter, breaks arrival ties
     priority: int = 0                   # lower runs first (priority policy)
+    cache_salt: str | None = None       # prefix-cache hits only among requests with the same salt
     max_tokens: int = 16                # resolved by the engine (params or max_model_len - prompt)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0        # tokens whose KV is written or scheduled to be

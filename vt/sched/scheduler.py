@@ -226,7 +226,7 @@ class Scheduler:
                 pos += 1  # history incomplete (or paused, or just preempted): later ones may go first
                 continue
             tokens = req.all_token_ids
-            hit_blocks, cached = self._find_prefix(tokens)
+            hit_blocks, cached = self._find_prefix(tokens, req.cache_salt)
             n = len(tokens) - cached
             if n > budget:
                 # Chunking off: a prompt must fit whole; a resumed history longer than the
@@ -245,7 +245,7 @@ class Scheduler:
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
-            self._hashes[req.request_id] = self._chain(tokens, len(hit_blocks))
+            self._hashes[req.request_id] = self._chain(tokens, len(hit_blocks), req.cache_salt)
             req.next_full_at = 0
             if cfg.policy == "priority":
                 bisect.insort(self._running, req, key=self._key)
@@ -315,7 +315,7 @@ class Scheduler:
             if req.priority >= self._running[-1].priority:
                 return  # the queue is sorted: no later request is better either
             tokens = req.all_token_ids
-            cached, revived = self._peek_prefix(tokens)
+            cached, revived = self._peek_prefix(tokens, req.cache_salt)
             chunk = min(len(tokens) - cached, cfg.max_num_batched_tokens)
             need = _cdiv(cached + chunk, cfg.block_size) - cached // cfg.block_size + revived
             running_need = sum(self._next_block_need(r) for r in self._running)
@@ -400,26 +400,26 @@ class Scheduler:
         self._hashes.pop(req.request_id, None)
         req.next_full_at = 0
 
-    def _find_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
+    def _find_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[int], int]:
         if not self.cfg.enable_prefix_caching:
             return [], 0
         # Leave at least one token to compute: its step produces the next token's logits.
-        return self.pool.find_prefix(tokens[:len(tokens) - 1])
+        return self.pool.find_prefix(tokens[:len(tokens) - 1], salt)
 
-    def _peek_prefix(self, tokens: list[int]) -> tuple[int, int]:
+    def _peek_prefix(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
         if not self.cfg.enable_prefix_caching:
             return 0, 0
-        return self.pool.peek_prefix(tokens[:len(tokens) - 1])
+        return self.pool.peek_prefix(tokens[:len(tokens) - 1], salt)
 
-    def _chain(self, tokens: list[int], num_blocks: int) -> list[int]:
-        """Chained hashes of the first num_blocks full blocks of tokens."""
+    def _chain(self, tokens: list[int], num_blocks: int, salt: str | None) -> list[int]:
+        """Chained hashes of the first num_blocks full blocks of tokens (the first salted)."""
         if not self.cfg.enable_prefix_caching:
             return []
         bs = self.cfg.block_size
         hashes: list[int] = []
         for i in range(num_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], salt))
         return hashes
 
     @staticmethod
@@ -445,7 +445,7 @@ class Scheduler:
         for i in range(len(hashes), limit):
             parent = hashes[-1] if hashes else None
             block_tokens = _tokens(req, i * bs, (i + 1) * bs)
-            hashes.append(self.pool.register_full(req.block_ids[i], parent, block_tokens))
+            hashes.append(self.pool.register_full(req.block_ids[i], parent, block_tokens, req.cache_salt))
         # _register_if_filled skips this method until the next block fills (~1.5 us twice a token).
         req.next_full_at = (len(hashes) + 1) * bs
 

@@ -84,8 +84,10 @@ class Tokenizer:
         if self.eos_token_id is not None:
             eos.add(self.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.special_ids: frozenset[int] = frozenset(
-            i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        added = tok.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # id -> text of every added token (special or not), for spaces_between_special_tokens
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._templates = TemplateCache()
         # Templates rendered in this process: the model's and those trust_chat_template() checked.
@@ -231,12 +233,21 @@ class DetokStream:
     Text is held back while the window ends in an incomplete UTF-8 sequence (decodes to U+FFFD),
     and, with stop strings, the last len(longest stop) - 1 characters are held back so a stop
     string arriving across tokens is never partly streamed.
+
+    spaces_between_special_tokens false (with special tokens kept) is vLLM's detokenizer option:
+    an added token that follows another added token is its own text, without the space a
+    decoder may put between them.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # As vLLM: the option only matters where special tokens are kept and the tokenizer has any.
+        glued = not (skip_special_tokens or spaces_between_special_tokens)
+        self._added: dict[int, str] | None = getattr(tokenizer, "added_tokens", None) if glued else None
+        self._last_added = False
         self._stops = tuple(stop)
         self._include = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -326,6 +337,11 @@ class DetokStream:
             return ""
         self._ids.append(int(token_id))
         new = self._decode_new()
+        if self._added:
+            content = self._added.get(int(token_id))
+            if content is not None and self._last_added and new:
+                new = content  # the previous token was added too, so its text is whole: no space
+            self._last_added = content is not None
         if not new:
             return ""
         self._pending += new
