@@ -40,6 +40,7 @@ def test_compare_async_writes_both_arms_and_a_plot(tiny_model_dir: Path, tmp_pat
     assert "Mean TTFT (ms):" in proc.stdout and "P99 ITL (ms):" in proc.stdout
     assert "on/off" in proc.stdout and "greedy outputs identical:" in proc.stdout
     assert "8/8" in proc.stderr  # the progress bar reached the end
+    assert "\r" not in proc.stderr  # stderr is a pipe here: progress lines, no redrawn bar
 
     data = json.loads(out_json.read_text())
     assert set(data["arms"]) == {"async_on", "async_off"}
@@ -97,6 +98,85 @@ def test_bench_against_running_server(vt_server, tmp_path: Path) -> None:
     assert figures["total_input_tokens"] == 5 * 12  # prompts built from the server's /tokenize ids
     assert figures["peak_concurrent_requests"] <= 2
     assert sorted(r["priority"] for r in data["requests"]) == [0, 0, 1, 1, 1]
+
+
+def test_a_vllm_bench_serve_command_line_runs_unchanged(vt_server, tiny_model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """vLLM's flags with vLLM's meanings against a running server, vLLM's result file out."""
+    host, port = vt_server.url.removeprefix("http://").split(":")
+    proc = vt_bench("--backend", "vllm", "--host", host, "--port", port, "--model", str(tiny_model_dir),
+                    "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
+                    "--random-prefix-len", "4", "--random-range-ratio", "0.0", "--num-prompts", "6",
+                    "--request-rate", "100", "--burstiness", "0.5", "--max-concurrency", "3", "--ignore-eos",
+                    "--seed", "1", "--temperature", "0", "--top-p", "0.9", "--top-k", "5",
+                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                    "--save-result", "--result-dir", str(tmp_path / "results"), "--result-filename", "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "P50 TTFT (ms):" in proc.stdout and "P99 E2EL (ms):" in proc.stdout
+    assert "Maximum request concurrency:             3" in proc.stdout
+    assert "GPU idle fraction:" in proc.stdout  # vt's /metrics measures it
+    assert "6/6 requests done" in proc.stderr and "\r" not in proc.stderr + proc.stdout
+    result = json.loads((tmp_path / "results" / "r.json").read_text())
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (6, 0, 6)
+    assert result["total_input_tokens"] == 6 * (4 + 16)   # the prefix before every random prompt
+    assert result["total_output_tokens"] == 6 * 4
+    assert (result["request_rate"], result["burstiness"], result["max_concurrency"]) == (100.0, 0.5, 3)
+    assert result["backend"] == "vllm" and result["model_id"] == str(tiny_model_dir)
+    assert result["max_concurrent_requests"] <= 3
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for part in ("mean", "median", "std", "p50", "p99"):
+            assert result[f"{part}_{metric}_ms"] is not None, f"{part}_{metric}_ms"
+    assert result["p50_ttft_ms"] <= result["p99_ttft_ms"]
+    assert 0.0 <= result["gpu_idle_fraction"] <= 1.0
+
+
+def write_sharegpt(path: Path) -> list[tuple[str, str]]:
+    """A small ShareGPT file: three usable conversations, one prompt too short, one single turn."""
+    pairs = [("Tell me a story about a quick brown fox that jumps over the lazy dog.",
+              "Once upon a time a fox lived near a park in Paris."),
+             ("Name three cities such as Paris, Tokyo and Lagos, with a number like 42.",
+              "Paris, Tokyo and Lagos are three cities."),
+             ("What do serving benchmarks measure when they stream every token back?",
+              "How long each token took, and how many arrive per second.")]
+    entries = [{"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": r},
+                                                {"from": "human", "value": "And then?"}]}
+               for i, (p, r) in enumerate(pairs)]
+    short = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello, how can I help you?"}]
+    entries.insert(1, {"id": "short", "conversations": short})
+    entries.append({"id": "one", "conversations": [{"from": "human", "value": "A question with no reply"}]})
+    path.write_text(json.dumps(entries))
+    return pairs
+
+
+def test_sharegpt_file_prompts_and_reply_lengths(vt_server, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from vt.text.tokenizer import Tokenizer
+
+    pairs = write_sharegpt(tmp_path / "sharegpt.json")
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    want = sorted((len(tok.encode(p)), len(tok.encode(r))) for p, r in pairs)
+    assert len(tok.encode("Hi")) < 4  # the short entry is one vLLM's filter drops
+    out = tmp_path / "run.json"
+    # no --model: the server's /tokenize counts the conversations
+    proc = vt_bench("--base-url", vt_server.url, "--dataset-name", "sharegpt", "--dataset-path",
+                    str(tmp_path / "sharegpt.json"), "--num-prompts", "3", "--ignore-eos", "--disable-tqdm",
+                    "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    requests = json.loads(out.read_text())["requests"]
+    assert all(r["success"] for r in requests)
+    # every usable conversation once: its first turn as the prompt, its reply's length as max_tokens
+    assert sorted((r["input_tokens"], r["output_tokens"]) for r in requests) == want
+
+    # the chat endpoint, the tokenizer read here (--model), a fixed output length
+    proc = vt_bench("--base-url", vt_server.url, "--backend", "openai-chat", "--model", str(tiny_model_dir),
+                    "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"),
+                    "--num-prompts", "5", "--sharegpt-output-len", "3", "--ignore-eos", "--disable-tqdm",
+                    "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    requests = json.loads(out.read_text())["requests"]
+    assert len(requests) == 5 and all(r["success"] and r["output_tokens"] == 3 for r in requests)
+    assert all(len(r["chunk_times"]) == 3 for r in requests)  # the role chunk is no token
+    # the chat template wraps each prompt: more tokens than the prompt alone
+    assert min(r["input_tokens"] for r in requests) > min(n for n, _ in want)
 
 
 @pytest.mark.parametrize(("args", "message"), [

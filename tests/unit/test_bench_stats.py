@@ -174,3 +174,23 @@ def test_throughput_over_time_buckets(records: list[RequestRecord]) -> None:
     series = throughput_over_time(records, 0.5)
     # buckets [0, 0.5): 0.1 0.2 0.3 0.4 0.4 -> 5; [0.5, 1.0): 0.5 0.6 -> 2; [1.0, 1.5): 1.0 1.0 -> 2
     assert series == [(0.0, 10.0), (0.5, 4.0), (1.0, 4.0)]
+
+
+def test_gpu_stats_leave_what_the_server_does_not_count_unmeasured() -> None:
+    # a server with step counters but no idle counter; and one with none of vt's counters (vLLM's)
+    before = {"vt:steps_total": 1.0, "vt:step_time_seconds_total": 0.1}
+    after = {"vt:steps_total": 11.0, "vt:step_time_seconds_total": 1.1}
+    g = gpu_stats(before, after, duration_s=2.0)
+    assert g is not None and g.steps == 10 and g.mean_step_time_ms == pytest.approx(100.0)
+    assert g.gpu_idle_seconds is None and g.gpu_idle_fraction is None
+    vllm = {"vllm:num_requests_running": 0.0, "vllm:generation_tokens_total": 50.0}
+    assert gpu_stats(vllm, vllm, 2.0) is None
+
+
+def test_latency_stats_std_and_asked_for_percentiles() -> None:
+    s = summarize([rec(i, 0.0, [t], t, 1) for i, t in enumerate((0.1, 0.2, 0.3, 0.4))], 1.0,
+                  percentiles=(25, 99.9))
+    # TTFTs 100, 200, 300, 400 ms: population std sqrt(12500); P25 at rank 0.75 -> 175
+    assert s.ttft.std_ms == pytest.approx(12500 ** 0.5)
+    assert s.ttft.percentiles_ms == pytest.approx({"25": 175.0, "99.9": 300.0 + 0.997 * 100.0})
+    assert summarize([], 1.0, percentiles=(50,)).ttft.percentiles_ms == {}

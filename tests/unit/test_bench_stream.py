@@ -1,4 +1,5 @@
-"""`vt bench`'s stream reader against a canned SSE response: what counts as a token's arrival."""
+"""`vt bench`'s stream reader against canned SSE responses (completions and chat): what counts as a
+token's arrival."""
 
 from __future__ import annotations
 
@@ -59,3 +60,27 @@ def test_chunks_without_text_count_as_token_arrivals() -> None:
     # the last token came three gaps after the first, not at the first text
     assert rec.chunk_times[-1] - rec.first_token > 0.04
     assert rec.text == "a"
+
+
+def test_a_chat_streams_role_announcement_is_not_a_token() -> None:
+    """A chat stream opens with the reply's role and empty content before any token exists (vt and
+    vLLM send it at once): TTFT starts at the first content chunk; an empty-text token still counts."""
+    delta = lambda d, fin=None: {"choices": [{"index": 0, "delta": d, "finish_reason": fin}]}  # noqa: E731
+    events = [_event(delta({"role": "assistant", "content": ""})), _event(delta({"content": "Hi"})),
+              _event(delta({"content": ""})), _event(delta({"content": "!"}, "length")),
+              _event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}),
+              b"data: [DONE]\n\n"]
+
+    async def run() -> RequestRecord:
+        server, port = await _serve_canned(events, 0.05)
+        rec = RequestRecord(index=0, input_tokens=9)
+        async with server:
+            await stream_completion(Endpoint("127.0.0.1", port), {"messages": []}, rec, 0.0,
+                                    path="/v1/chat/completions", chat=True)
+        return rec
+
+    rec = asyncio.run(run())
+    assert rec.success, rec.error
+    assert rec.output_tokens == 3 and len(rec.chunk_times) == 3
+    assert rec.text == "Hi!"
+    assert rec.ttft is not None and rec.ttft >= 0.04  # one gap after the role chunk, not at it

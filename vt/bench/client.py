@@ -1,5 +1,6 @@
-"""`vt bench`'s HTTP client: keep-alive connections to one server, one streamed completion read
-as server-sent events into a RequestRecord, and the small JSON and /metrics requests around a run.
+"""`vt bench`'s HTTP client: keep-alive connections to one server, one streamed completion or chat
+completion read as server-sent events into a RequestRecord, and the small JSON and /metrics
+requests around a run.
 
 It speaks just enough HTTP/1.1 for vt's server (and vLLM's): no client library, so that what is
 timed is the server and the socket, and a chunk's arrival is seen the moment its bytes are read.
@@ -26,14 +27,18 @@ class BenchError(Exception):
 
 @dataclass(frozen=True)
 class Endpoint:
+    """One server: where to connect, and the path prefix of a base URL such as
+    http://host:8000/serving (vLLM's benchmark appends every route to --base-url, so do we)."""
+
     host: str
     port: int
     api_key: str | None = None
+    prefix: str = ""
 
     @classmethod
     def from_url(cls, url: str, api_key: str | None = None) -> Endpoint:
         parts = urlsplit(url)
-        return cls(parts.hostname or "127.0.0.1", parts.port or 80, api_key)
+        return cls(parts.hostname or "127.0.0.1", parts.port or 80, api_key, parts.path.rstrip("/"))
 
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -70,7 +75,8 @@ class ConnectionPool:
 
 def _request_bytes(ep: Endpoint, method: str, path: str, body: Any, keep_alive: bool) -> bytes:
     data = b"" if body is None else orjson.dumps(body)
-    head = [f"{method} {path} HTTP/1.1", f"Host: {ep.host}:{ep.port}",
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host  # an IPv6 literal
+    head = [f"{method} {ep.prefix}{path} HTTP/1.1", f"Host: {host}:{ep.port}",
             "Connection: keep-alive" if keep_alive else "Connection: close", f"Content-Length: {len(data)}"]
     if body is not None:
         head.append("Content-Type: application/json")
@@ -170,11 +176,29 @@ def error_text(status: int, body: Any) -> str:
     return f"HTTP {status}: {str(body)[:200]}"
 
 
+def _chunk_token(choice: dict, chat: bool) -> str | None:
+    """The text of a streamed choice that marks a token's arrival, or None for one that does not.
+
+    Every completion choice chunk is a token's arrival, text or not (a special token, or an id the
+    tokenizer renders as nothing), as vLLM's benchmark counts. A chat stream first announces the
+    reply's role with empty content before any token exists (vt and vLLM send it at once), so
+    that chunk is no arrival unless it also carries text."""
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    content = delta.get("content") or ""
+    if "role" in delta and not content:
+        return None
+    return content
+
+
 async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0: float,
-                            pool: ConnectionPool | None = None) -> None:
-    """Send one streaming completion and fill `rec` (times relative to t0). Never raises for a
-    failed request: the failure goes into rec.error. With a pool the request goes on a
-    keep-alive connection, given back once the response has been read to its end."""
+                            pool: ConnectionPool | None = None, *, path: str = "/v1/completions",
+                            chat: bool = False) -> None:
+    """Send one streaming completion (a chat completion with `chat`) to `path` and fill `rec`
+    (times relative to t0). Never raises for a failed request: the failure goes into rec.error.
+    With a pool the request goes on a keep-alive connection, given back once the response has
+    been read to its end."""
     rec.start = time.perf_counter() - t0
     texts: list[str] = []
     usage: dict | None = None
@@ -182,10 +206,10 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
     reusable = False
     try:
         if pool is None:
-            reader, writer = await _send(ep, "POST", "/v1/completions", payload)
+            reader, writer = await _send(ep, "POST", path, payload)
             status, headers = await _read_head(reader)
         else:
-            (reader, writer), status, headers = await _exchange(pool, "POST", "/v1/completions", payload)
+            (reader, writer), status, headers = await _exchange(pool, "POST", path, payload)
         keep = pool is not None and headers.get("connection", "").lower() != "close"
         if status != 200:
             raw = b"".join([part async for part in _body_parts(reader, headers)])
@@ -219,13 +243,14 @@ async def stream_completion(ep: Endpoint, payload: dict, rec: RequestRecord, t0:
                         return
                     if msg.get("usage"):
                         usage = msg["usage"]
-                    # Every choice chunk is a token's arrival, text or not (a special token,
-                    # or an id the tokenizer renders as nothing), as vLLM's benchmark counts.
                     for choice in msg.get("choices") or ():
+                        text = _chunk_token(choice, chat)
+                        if text is None:
+                            continue
                         if rec.first_token is None:
                             rec.first_token = now
                         rec.chunk_times.append(now)
-                        texts.append(choice.get("text") or "")
+                        texts.append(text)
             if done:
                 break
         if done and keep:

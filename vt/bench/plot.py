@@ -1,6 +1,7 @@
 """Plots for `vt bench --plot`: latency CDFs and output throughput over time, one line per arm.
 
-matplotlib is imported only here, and only when a plot is asked for (it is the `bench` extra).
+matplotlib is imported only here, and only when a plot is asked for (it is the `bench` extra,
+installed from the clone or as plain `matplotlib`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from collections.abc import Mapping, Sequence
 
 from vt.bench.stats import RequestRecord, e2els, throughput_over_time, tpots, ttfts
 
-MISSING_MATPLOTLIB = ("--plot needs matplotlib, the bench extra: pip install 'vt-serve[bench]' "
-                      "(in a clone: pip install -e '.[bench]')")
+# vt-serve is not on the package index, so `pip install 'vt-serve[bench]'` finds nothing: name what works
+MISSING_MATPLOTLIB = ("--plot needs matplotlib: pip install matplotlib, or in vt's clone pip install -e "
+                      "'.[bench]' (the vt-serve[bench] extra; vt-serve is not on the package index)")
 
 
 def plotting_available() -> bool:

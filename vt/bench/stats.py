@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics names for them
 PEAK_WINDOW_S = 1.0  # peak throughput window; a shorter run uses its whole duration instead
 ERROR_TEXT_LIMIT = 200  # long error bodies are cut so that equal causes group together
 
@@ -69,30 +70,37 @@ class RequestRecord:
 
 @dataclass
 class LatencyStats:
-    """Mean, median, P90 and P99 in ms; all None when there is no sample."""
+    """Mean, median, P90, P99 and standard deviation in ms, and any other asked-for percentiles
+    (`percentiles_ms`, keyed as vLLM names them: "99", "99.9"); all None when there is no sample."""
 
     mean_ms: float | None = None
     median_ms: float | None = None
     p90_ms: float | None = None
     p99_ms: float | None = None
     count: int = 0
+    std_ms: float | None = None     # population standard deviation, as numpy's (and vLLM's) np.std
+    percentiles_ms: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of_seconds(cls, values: Sequence[float]) -> LatencyStats:
+    def of_seconds(cls, values: Sequence[float], percentiles: Sequence[float] = ()) -> LatencyStats:
         if not values:
             return cls()
         ms = [v * 1000.0 for v in values]
-        return cls(mean_ms=sum(ms) / len(ms), median_ms=percentile(ms, 50), p90_ms=percentile(ms, 90),
-                   p99_ms=percentile(ms, 99), count=len(ms))
+        mean = sum(ms) / len(ms)
+        return cls(mean_ms=mean, median_ms=percentile(ms, 50), p90_ms=percentile(ms, 90),
+                   p99_ms=percentile(ms, 99), count=len(ms),
+                   std_ms=math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms)),
+                   percentiles_ms={percentile_word(q): percentile(ms, q) for q in percentiles})
 
 
 @dataclass
 class GpuStats:
-    """Server-side step counters over the run (from /metrics, read before and after)."""
+    """Server-side step counters over the run (from /metrics, read before and after); a figure is
+    None where the server does not expose its counter."""
 
-    steps: int
+    steps: int | None
     mean_step_time_ms: float | None
-    gpu_idle_seconds: float
+    gpu_idle_seconds: float | None
     gpu_idle_fraction: float | None
 
 
@@ -144,6 +152,11 @@ class BenchSummary:
         out["mean_step_time_ms"] = None if g is None else g.mean_step_time_ms
         out["gpu_idle_fraction"] = None if g is None else g.gpu_idle_fraction
         return out
+
+
+def percentile_word(q: float) -> str:
+    """A percentile as vLLM writes it in a figure's name: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(q)) if int(q) == q else str(q)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -227,21 +240,27 @@ def error_counts(records: Iterable[RequestRecord]) -> dict[str, int]:
 
 
 def gpu_stats(before: dict[str, float], after: dict[str, float], duration_s: float) -> GpuStats | None:
-    """Step counters differenced over the run; None if the server does not expose them."""
-    names = ("vt:steps_total", "vt:step_time_seconds_total", "vt:gpu_idle_seconds_total")
-    if not all(n in before and n in after for n in names):
+    """Step counters differenced over the run; None if the server exposes none of them (a figure
+    whose counter is missing stays None: it was not measured, not zero)."""
+    def delta(name: str) -> float | None:
+        return after[name] - before[name] if name in before and name in after else None
+
+    steps_d, step_time, idle = (delta(n) for n in ("vt:steps_total", "vt:step_time_seconds_total",
+                                                   "vt:gpu_idle_seconds_total"))
+    if steps_d is None and step_time is None and idle is None:
         return None
-    steps = int(round(after[names[0]] - before[names[0]]))
-    step_time = after[names[1]] - before[names[1]]
-    idle = after[names[2]] - before[names[2]]
-    return GpuStats(steps=steps, mean_step_time_ms=step_time / steps * 1000.0 if steps > 0 else None,
-                    gpu_idle_seconds=idle, gpu_idle_fraction=idle / duration_s if duration_s > 0 else None)
+    steps = None if steps_d is None else int(round(steps_d))
+    mean_step = step_time / steps * 1000.0 if step_time is not None and steps else None
+    fraction = idle / duration_s if idle is not None and duration_s > 0 else None
+    return GpuStats(steps=steps, mean_step_time_ms=mean_step, gpu_idle_seconds=idle,
+                    gpu_idle_fraction=fraction)
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float,
               goodput_slo_ms: dict[str, float] | None = None,
-              gpu: GpuStats | None = None) -> BenchSummary:
-    """All figures of one run. `duration_s` is the wall time from the first send to the last end."""
+              gpu: GpuStats | None = None, percentiles: Sequence[float] = ()) -> BenchSummary:
+    """All figures of one run. `duration_s` is the wall time from the first send to the last end;
+    `percentiles` are computed for every latency figure besides P90 and P99."""
     if duration_s <= 0:
         raise ValueError(f"duration must be positive, got {duration_s}")
     if goodput_slo_ms:
@@ -261,8 +280,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         peak_output_throughput=peak_output_throughput(ok, min(PEAK_WINDOW_S, duration_s)),
         peak_concurrent_requests=peak_concurrency(records),
         total_token_throughput=(total_in + total_out) / duration_s,
-        ttft=LatencyStats.of_seconds(ttfts(ok)), tpot=LatencyStats.of_seconds(tpots(ok)),
-        itl=LatencyStats.of_seconds(itls(ok)), e2el=LatencyStats.of_seconds(e2els(ok)),
+        ttft=LatencyStats.of_seconds(ttfts(ok), percentiles),
+        tpot=LatencyStats.of_seconds(tpots(ok), percentiles),
+        itl=LatencyStats.of_seconds(itls(ok), percentiles),
+        e2el=LatencyStats.of_seconds(e2els(ok), percentiles),
         goodput=goodput, goodput_slo_ms=dict(goodput_slo_ms) if goodput_slo_ms else None,
         errors=error_counts(records), gpu=gpu,
     )
