@@ -91,12 +91,16 @@ class EngineConfig:
     quantization: str | None = None       # --quantization: fp8 weights (vt.model.quantization)
     kv_cache_dtype: str = "auto"          # --kv-cache-dtype: auto (the model's dtype) | fp8
     tokenizer: str | None = None          # --tokenizer: the tokenizer's folder (None: the model's)
+    runner: str = "auto"                  # --runner: generate | pooling (embeddings) | auto: by checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
 # ModelConfig: the subset of a Hugging Face config.json that the decoder forward needs.
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+# Bare base models, saved without their lm_head (embedding checkpoints): the same decoder.
+BASE_MODEL_ARCHITECTURES = {"Qwen3Model": "Qwen3ForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+                            "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM"}
 _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -240,8 +244,10 @@ def _architecture(raw: dict[str, Any]) -> str:
         for a in archs:
             if a in SUPPORTED_ARCHITECTURES:
                 return a
+            if a in BASE_MODEL_ARCHITECTURES:
+                return BASE_MODEL_ARCHITECTURES[a]
         raise ConfigError(f"config field 'architectures' = {archs!r}: supported are "
-                          f"{SUPPORTED_ARCHITECTURES}")
+                          f"{SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES)}")
     model_type = raw.get("model_type")
     if model_type in _MODEL_TYPE_TO_ARCH:
         return _MODEL_TYPE_TO_ARCH[model_type]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import numpy as np
+
 from vt.config import EngineConfig
 from vt.engine.engine import AsyncEngine
 from vt.sampling_params import SamplingParams
@@ -51,6 +53,28 @@ class LLM:
             return Completion(ids, toks, "".join(text), last.finish_reason, last.stop_reason)
 
         return list(await asyncio.gather(*(collect(i, s) for i, s in streams)))
+
+    def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> list[np.ndarray]:
+        """An embedding model's vectors (float32), one per prompt (`dimensions`: Matryoshka
+        truncation), as vLLM's LLM.embed gives them."""
+        return self._loop.run_until_complete(self._embed(prompts, dimensions))
+
+    async def _embed(self, prompts: list[str | list[int]], dimensions: int | None) -> list[np.ndarray]:
+        streams = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self._next += 1
+            streams.append(self.engine.embed(f"llm-{self._next}", ids, dimensions))
+
+        async def last(stream) -> np.ndarray:
+            async for out in stream:
+                if out.finished:
+                    if out.embedding is None:
+                        raise RuntimeError(out.error or f"no vector ({out.finish_reason})")
+                    return out.embedding
+            raise RuntimeError("the request's stream ended without its output")
+
+        return list(await asyncio.gather(*(last(s) for s in streams)))
 
     def close(self) -> None:
         self._loop.run_until_complete(self.engine.stop())

@@ -28,10 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vt.config import EngineConfig, ModelConfig
-from vt.engine.admission import AdmissionLimits, check_params, check_token_ids
+from vt.engine.admission import AdmissionLimits, check_first_token, check_params, check_token_ids, held_back
+from vt.engine.allowed_tokens import NO_TOKEN, no_token_error
 from vt.engine.failures import StepFailures
 from vt.engine.guided_steps import GuidedSteps
 from vt.engine.outputs import (
+    ERROR_ENGINE,
+    ERROR_REQUEST,
+    ERROR_STOPPED,
     EngineDeadError,
     PromptTooLongError,
     QueueFullError,
@@ -39,11 +43,13 @@ from vt.engine.outputs import (
     RequestStream,
     TokenLogprob,
 )
+from vt.engine.pooling import NOT_GENERATING, NOT_POOLING, POOLING_PARAMS, check_embedding_prompt
 from vt.engine.request_state import RequestState
 from vt.engine.split_steps import StepPart, split_decode_sms, split_mixed_step
 from vt.engine.stats import EngineStats
 from vt.engine.trace import StepTrace
 from vt.kernels import get_backend
+from vt.model.pooling import load_pooling_config, pooled_vector
 from vt.runner.runner import MAX_BANNED, ModelRunner, StepHandle, StepOutput
 from vt.sampling_params import SamplingParams
 from vt.sched.kv_events import AllBlocksCleared, KVEventLog
@@ -100,7 +106,9 @@ class AsyncEngine:
         self.max_model_len = mml = _checked_max_model_len(config, self.model_config)
         self.split_decode_sms = split_decode_sms(config.split_decode_sms)
         self.split_steps = 0  # scheduled steps launched as their decodes and prompt rows beside them
-        self.runner = ModelRunner(self.model_config, config, self.ops, mml)
+        # An embedding model (the pooling runner) pools each prompt instead of generating (embed()).
+        self.pooling = load_pooling_config(config.model, config.runner)
+        self.runner = ModelRunner(self.model_config, config, self.ops, mml, pooling=self.pooling)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -118,6 +126,7 @@ class AsyncEngine:
                                   enable_prefix_caching=config.enable_prefix_caching, max_model_len=mml)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False  # stop() has ended the requests: new ones are refused
         self._seq = 0
         self._seeds = random.Random(config.seed)
         self._failures = StepFailures()
@@ -153,17 +162,23 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="vt-scheduler")
             self.grammars.warm_up()
 
     async def stop(self, timeout: float = 0.0) -> None:
-        """Let unfinished requests run for up to `timeout` seconds, abort the rest, stop the loop."""
+        """Let unfinished requests run for up to `timeout` seconds, then end the rest with an
+        error output (ERROR_STOPPED: their clients read why, rather than see a stream cut), and
+        stop the loop, the runner and the grammar compiles. New requests are refused from then on."""
         deadline = time.monotonic() + timeout
         while self._states and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for rid in list(self._states):
-            self.abort(rid)
+        self._stopping = True
+        for state in list(self._states.values()):
+            self._finish(state, RequestStatus.FINISHED_ABORTED, "error", None, "", error=(
+                "the server stopped before the request was done (its shutdown timeout ran out); retry "
+                "on another replica"), error_kind=ERROR_STOPPED)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -220,12 +235,20 @@ class AsyncEngine:
         it then start without compiling on the loop."""
         return await self.grammars.compile(spec)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+    def _check_new(self, request_id: str) -> None:
+        """A new request may be added: the engine runs, is not stopping, and the id is free."""
         if self._failures.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._failures.dead}")
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down; retry on another replica")
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        self._check_new(request_id)
+        if self.pooling is not None:
+            raise ValueError(NOT_GENERATING)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -242,6 +265,10 @@ class AsyncEngine:
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         guide = self.grammars.guide(params.structured) if params.structured is not None else None
+        if guide is not None and held_back(params, self.eos_token_ids, 0):
+            # the grammar's first tokens against those min_tokens holds back (allowed_tokens.py)
+            check_first_token(params, self.eos_token_ids, self.model_config.vocab_size,
+                              guide.next_mask(self.grammars.mask_words), guide.complete)
         if params.seed is None:  # drawn from --seed's stream: a restarted server samples the same
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         self._seq += 1
@@ -253,8 +280,34 @@ class AsyncEngine:
         stop_ids = frozenset(params.stop_token_ids) | eos
         detok = DetokStream(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                             params.stop, params.include_stop_str_in_output,
-                            params.spaces_between_special_tokens)
+                            params.spaces_between_special_tokens, min_tokens=params.min_tokens)
         state = RequestState(req, detok, RequestStream(self, request_id), stop_ids, guide)
+        self._states[request_id] = state
+        self._stats.prompt_tokens_total += n
+        self._wakeup.set()
+        return state.stream
+
+    def embed(self, request_id: str, prompt_token_ids: list[int], dimensions: int | None = None,
+              priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """An embedding model's request (vt.engine.pooling): its one output is finished and holds
+        the prompt's vector (RequestOutput.embedding, float32; `dimensions`: its Matryoshka
+        truncation). Raises as add_request does, and SamplingParamsError for `dimensions`."""
+        self._check_new(request_id)
+        if self.pooling is None:
+            raise ValueError(NOT_POOLING)
+        n = len(prompt_token_ids)
+        check_embedding_prompt(n, self.max_model_len)
+        check_token_ids(prompt_token_ids, self.limits, "input")
+        self.pooling.check_dimensions(dimensions, self.model_config.hidden_size, self.config.model)
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self._seq += 1
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=POOLING_PARAMS,
+                      arrival=time.monotonic(), seq=self._seq, priority=priority, max_tokens=1,
+                      cache_salt=cache_salt)
+        self.scheduler.add(req)  # raises ValueError for a prompt the KV cache can never hold
+        state = RequestState(req, DetokStream(self.tokenizer, ()), RequestStream(self, request_id),
+                             frozenset(), dimensions=dimensions)
         self._states[request_id] = state
         self._stats.prompt_tokens_total += n
         self._wakeup.set()
@@ -327,7 +380,7 @@ class AsyncEngine:
                 continue
             launch = self._launch_next_step() if self._may_launch() else Launch.NOTHING
             if launch is Launch.FAILED:
-                continue  # the probe step goes first
+                continue  # nothing launches before a probe step has run
             launched = launch is Launch.LAUNCHED
             if self._inflight and (not launched or len(self._inflight) >= self.depth):
                 await self._collect_oldest()
@@ -551,6 +604,9 @@ class AsyncEngine:
 
     # ---- outputs ------------------------------------------------------------------------------
     def _process(self, out: StepOutput) -> None:
+        if out.pooled:  # an embedding model's step: it sampled nothing
+            self._process_pooled(out)
+            return
         # Runs once per token of every request: the lookups are hoisted out of the loop.
         now = time.monotonic()
         append_token, states, stats = self.scheduler.append_token, self._states, self._stats
@@ -562,7 +618,12 @@ class AsyncEngine:
         taken = []
         rejected: dict[str, str] = {}
         grammar_done: set[str] = set()
+        no_token: list[RequestState] = []
         for tok in out.sampled:
+            if tok.token_id == NO_TOKEN:  # nothing was left to sample: the request ends (below)
+                if (state := states.get(tok.request_id)) is not None and not state.finished:
+                    no_token.append(state)
+                continue
             req = append_token(tok.request_id, tok.token_id)
             state = states.get(tok.request_id)
             if req is None or state is None or state.finished:
@@ -573,6 +634,8 @@ class AsyncEngine:
                     rejected[tok.request_id] = why
                 elif guide.finished:
                     grammar_done.add(tok.request_id)
+        for state in no_token:  # before masks start: theirs must not wait for a token that never comes
+            self._end_without_token(state)
         self.guided_steps.tokens_processed(set(rejected))
         for tok, req, state in taken:
             token_id = tok.token_id
@@ -611,9 +674,30 @@ class AsyncEngine:
                     req.request_id, text, (token_id,), lp, False, None, None,
                     len(req.prompt_token_ids), num_out, req.num_cached_tokens))
 
+    def _process_pooled(self, out: StepOutput) -> None:
+        """An embedding model's step: each prompt it finished ends with its vector."""
+        assert self.pooling is not None
+        for request_id, hidden in out.pooled:
+            state = self._states.get(request_id)
+            if state is None or state.finished:
+                continue  # aborted while its step ran
+            vector = pooled_vector(hidden, self.pooling.normalize, state.dimensions)
+            self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", None, "", embedding=vector)
+
+    def _end_without_token(self, state: RequestState) -> None:
+        """A request whose row had no token to sample (allowed_tokens.py): a complete grammar ends
+        there, as vLLM lets it under min_tokens; anything else is the request's own error."""
+        guide, req = state.guide, state.request
+        if guide is not None and guide.complete:
+            self._finish(state, RequestStatus.FINISHED_STOPPED, "stop", None, state.detok.flush())
+            return
+        error = no_token_error(req.params, self.eos_token_ids, len(req.output_token_ids), guide is not None)
+        self._finish(state, RequestStatus.FINISHED_ABORTED, "error", None, "", error=error,
+                     error_kind=ERROR_REQUEST)
+
     def _finish(self, state: RequestState, status: RequestStatus, reason: str, stop_reason: str | int | None,
                 text: str, token_ids: tuple[int, ...] = (), lp: tuple[TokenLogprob, ...] | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, error_kind: str = ERROR_ENGINE, embedding: object = None) -> None:
         if state.finished:
             return
         state.finished = True
@@ -627,5 +711,5 @@ class AsyncEngine:
                                      state.scheduled_time, state.first_token_time, state.last_token_time)
         state.stream.put(RequestOutput(
             req.request_id, text, token_ids, lp, True, reason, stop_reason, len(req.prompt_token_ids),
-            len(req.output_token_ids), req.num_cached_tokens, error))
+            len(req.output_token_ids), req.num_cached_tokens, error, error_kind, embedding))
         self._wakeup.set()

@@ -10,7 +10,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class PromptTooLongError(ValueError):
@@ -22,7 +22,14 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine can no longer run steps: a 503."""
+    """The engine can no longer run steps (or is stopping): a 503."""
+
+
+# Why a request ended with finish_reason "error" (RequestOutput.error_kind); the HTTP layer answers
+# each with its own status.
+ERROR_ENGINE = "engine"    # a step failed, or the engine died: 500
+ERROR_STOPPED = "stopped"  # the server stopped before the request was done: 503
+ERROR_REQUEST = "request"  # the request's own constraints left no token to sample: 400
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    error_kind: str = ERROR_ENGINE              # with error: ERROR_ENGINE | ERROR_STOPPED | ERROR_REQUEST
+    embedding: Any = None                       # an embedding request's vector (numpy float32[d]), finished
 
 
 class StreamOwner(Protocol):

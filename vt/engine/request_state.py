@@ -21,3 +21,4 @@ class RequestState:
     scheduled_time: float | None = None  # first admitted to a step: its queue time ends there
     first_token_time: float | None = None
     last_token_time: float | None = None
+    dimensions: int | None = None  # an embedding request's Matryoshka truncation (vt.engine.pooling)

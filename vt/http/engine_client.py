@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from vt.config import ModelConfig
 from vt.engine.admission import AdmissionLimits
 from vt.engine.outputs import RequestStream
 from vt.engine.stats import EngineStats
+from vt.model.pooling import PoolingConfig
 from vt.sampling_params import SamplingParams
 from vt.structured.spec import GrammarSpec
 
@@ -96,4 +98,24 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """The engine's counters and gauges, current as of the call."""
+        ...
+
+
+@runtime_checkable
+class PoolingClient(Protocol):
+    """An engine that can serve embeddings as well (AsyncEngine): `pooling` is its embedding
+    model's pooling, or None where it runs a generative model (whose server then answers
+    /v1/embeddings with a 404, as an embedding model's answers the generation routes)."""
+
+    @property
+    def pooling(self) -> PoolingConfig | None: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    def embed(self, request_id: str, prompt_token_ids: list[int], dimensions: int | None = None,
+              priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue one prompt of an embedding model; its one output is finished and holds the
+        vector (RequestOutput.embedding, float32; `dimensions`: its Matryoshka truncation).
+        Raises as add_request does, and SamplingParamsError for `dimensions`."""
         ...

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes over the async engine: completions, chat, models, tokenize, metrics.
+"""OpenAI-compatible routes over the async engine: completions, chat, embeddings, models, tokenize,
+metrics.
 
 The app is a single `handle(HttpRequest)` coroutine the HTTP server calls. This module holds the
 routes table, what a request's head decides (route, method, API key, content type) and the small
@@ -19,6 +20,7 @@ from vt.http import metrics
 from vt.http.api_options import ApiOptions
 from vt.http.chat import ChatRoute
 from vt.http.completions import CompletionRoute
+from vt.http.embeddings import EmbeddingsRoute, unserved_routes
 from vt.http.engine_client import EngineClient
 from vt.http.errors import HttpError, error_body
 from vt.http.generation import Generation
@@ -31,10 +33,13 @@ from vt.http.reasoning import ReasoningParser
 from vt.http.route_context import RouteContext
 from vt.http.tokenize_routes import TokenizeRoutes
 from vt.sampling_params import SamplingParamsError
+from vt.structured.spec import GrammarUnavailableError
 from vt.text.preview import preview
 
 log = logging.getLogger("vt.http")
 AnyResponse = TypeVar("AnyResponse", Response, StreamResponse)
+# Refused at once while draining; a request whose handler started before goes on to finish.
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
 class ResponseCounts(Protocol):
@@ -70,10 +75,12 @@ class OpenAIApp:
         completions = CompletionRoute(self._context, generation, logprobs)
         chat = ChatRoute(self._context, generation, logprobs, reasoning)
         tokenize = TokenizeRoutes(self._context)
+        embeddings = EmbeddingsRoute(self._context)
         # path -> (needs auth, {method: handler})
         self._routes: dict[str, tuple[bool, dict[str, Handler]]] = {
             "/v1/completions": (True, {"POST": completions.handle}),
             "/v1/chat/completions": (True, {"POST": chat.handle}),
+            "/v1/embeddings": (True, {"POST": embeddings.handle}),
             "/v1/models": (True, {"GET": self._models}),
             "/tokenize": (True, {"POST": tokenize.tokenize}),
             "/detokenize": (True, {"POST": tokenize.detokenize}),
@@ -82,6 +89,9 @@ class OpenAIApp:
             "/metrics": (False, {"GET": self._metrics}),
             "/version": (False, {"GET": self._version}),
         }
+        # A server runs one runner: the routes it does not serve answer so (vt.http.embeddings).
+        for path, refuse in unserved_routes(engine, list(self._routes)).items():
+            self._routes[path] = (True, {"POST": refuse})
 
     @property
     def draining(self) -> bool:
@@ -89,7 +99,8 @@ class OpenAIApp:
 
     def begin_drain(self) -> None:
         """Shutting down: /health answers 503 at once, so balancers stop sending here, and new
-        generation requests get a 503 a router retries elsewhere, while in-flight ones finish."""
+        generation requests get a 503 a router retries elsewhere, while in-flight ones finish
+        (those whose handler started before the drain go on to the engine)."""
         self._context.draining = True
 
     async def handle(self, request: HttpRequest) -> Response | StreamResponse:
@@ -97,11 +108,18 @@ class OpenAIApp:
         if cors is not None and cors.is_preflight(request.method, request.headers):
             return cors.preflight(request.headers)  # before routing and the API key, as vLLM's middleware
         try:
-            response = await self._route(request)(request)
+            handler = self._route(request)
+            if self._context.draining and request.path in _GENERATION_PATHS:
+                raise HttpError(503, "the server is shutting down; retry on another replica",
+                                type="service_unavailable", headers=[("retry-after", "1")])
+            response = await handler(request)
         except HttpError as e:
             response = Response(e.status, e.body(), headers=e.headers)
         except (ProtocolError, SamplingParamsError) as e:
             response = Response(400, error_body(str(e), param=e.param))
+        except GrammarUnavailableError as e:  # the compiler stopped: the server is stopping
+            response = Response(503, error_body(str(e), type="service_unavailable"),
+                                headers=[("retry-after", "1")])
         except Exception:
             log.exception("unhandled error for %s %s", request.method, request.path)
             response = Response(500, error_body("internal server error", type="internal_server_error"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vt import __version__
 from vt.config import EngineConfig, KVEventsConfig, parse_kv_events_config
+from vt.launch.runner_flags import add_runner_flags, runner_from_flags
 from vt.launch.vllm_flags import (
     UVICORN_LOG_LEVELS,
     FlagError,
@@ -74,6 +75,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="write one JSON line per completed step (times, sequences, prompt and decode "
                         "tokens) to FILE, for performance analysis")
     add_model_flags(p)
+    add_runner_flags(p)
 
 
 def _positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -90,6 +92,7 @@ def _positive(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    runner = runner_from_flags(args)  # a refused flag is named before the model is looked for
     if args.model is None:
         from vt.model.make_model import default_model_dir
 
@@ -111,6 +114,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
         tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tokenizer=tokenizer,
+        runner=runner,
     )
 
 

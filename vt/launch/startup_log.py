@@ -112,6 +112,8 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
         f"{'on' if engine.depth == 2 else 'off'}",
         f"CUDA graphs: {graphs}",
     ]
+    if (pooling := getattr(engine, "pooling", None)) is not None:
+        lines.append(f"runner: pooling (an embedding model on /v1/embeddings): {pooling.describe()}")
     if defaults is not None and defaults.values:
         lines.append(f"default sampling parameters from {defaults.source}: {defaults.describe()} "
                      "(a request's own values win; --generation-config vllm turns these off)")

@@ -37,8 +37,9 @@ class CheckpointError(ValueError):
     """A checkpoint's tensors do not match its config; the message names the tensor."""
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward reads, with its shape, for this config."""
+def expected_shapes(cfg: ModelConfig, lm_head: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, with its shape, for this config (lm_head False: the
+    decoder alone, as an embedding model reads it)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -61,9 +62,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
     out["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
+    if lm_head and not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
     return out
+
+
+def _decoder_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A bare base model's tensors (saved as Qwen3Model: `layers.0...`, `norm.weight`) under the
+    names the decoder inside a *ForCausalLM has (`model.layers.0...`)."""
+    if "model.embed_tokens.weight" in tensors or "embed_tokens.weight" not in tensors:
+        return tensors
+    return {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in tensors.items()}
 
 
 def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
@@ -124,20 +133,25 @@ def _is_stored_fp8(name: str, fp8: Fp8Format | None) -> bool:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig,
-                 fp8: Fp8Format | None = None) -> dict[str, np.ndarray]:
+                 fp8: Fp8Format | None = None, lm_head: bool = True) -> dict[str, np.ndarray]:
     """Every tensor the forward needs, checked against the config, as memory-mapped host arrays
     (bfloat16 as ml_dtypes.bfloat16, float16 and float32 as stored). With a stored fp8 format the
     projection weights are e4m3 and each comes with its scale (`<projection>.<scale_name>`, read
-    as vt.model.quantization.stored_scale gives it: f32 per channel or per 128x128 block)."""
+    as vt.model.quantization.stored_scale gives it: f32 per channel or per 128x128 block).
+    Tensors saved without the `model.` prefix (a bare base model, as Qwen3Model saves them) are
+    read under it; lm_head False (an embedding model): no lm_head is read."""
     model_dir = Path(model_dir)
     tensors: dict[str, np.ndarray] = {}
     for file in _checkpoint_files(model_dir):
         tensors.update(read_safetensors(file))
+    tensors = _decoder_names(tensors)
     out: dict[str, np.ndarray] = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in expected_shapes(cfg, lm_head).items():
         t = tensors.get(name)
         if t is None:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+            hint = (" (a checkpoint without an lm_head is an embedding model: serve it with --runner pooling)"
+                    if name == "lm_head.weight" else "")
+            raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape}){hint}")
         if t.shape != shape:
             raise CheckpointError(f"tensor {name!r}: expected shape {shape}, found {t.shape}")
         if _is_stored_fp8(name, fp8):

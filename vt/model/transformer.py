@@ -52,10 +52,11 @@ class _Layer:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend,
-                 tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> None:
+                 tensor_parallel_size: int = 1, fp8: Fp8Format | None = None, lm_head: bool = True) -> None:
         """tensor_parallel_size > 1: ops is a rank group of that size (vt.kernels.rank_group) and
         each rank gets its shard of every split tensor (vt.model.shard); dims below are a rank's.
-        fp8: the projections' fp8 format (weights as vt.model.loader.load_weights read them)."""
+        fp8: the projections' fp8 format (weights as vt.model.loader.load_weights read them).
+        lm_head False: the decoder without its head (an embedding model: norm_rows, no logits)."""
         self.cfg = cfg
         self.ops = ops
         self.fp8 = fp8
@@ -101,7 +102,9 @@ class Transformer:
             ))
         self.final_norm = ops.upload(w("model.norm.weight"))
         tied = cfg.tie_word_embeddings
-        self.lm_head = split.lm_head_of(self.embed) if tied else ops.upload(w("lm_head.weight"))
+        self.lm_head: Array | None = None
+        if lm_head:
+            self.lm_head = split.lm_head_of(self.embed) if tied else ops.upload(w("lm_head.weight"))
         self.inv_freq = ops.from_host(cfg.inv_freq(), "f32")
 
     def _qkv_bias(self, attn: str, w: Callable[[str], Any]) -> Array | None:
@@ -221,10 +224,17 @@ class Transformer:
 
     def head(self, r: Array, logits_indices: Array) -> Any:
         """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
+        if self.lm_head is None:
+            raise RuntimeError("this model was loaded without its lm_head (an embedding model): no logits")
+        return self.ops.logits(self.norm_rows(r, logits_indices), self.lm_head)
+
+    def norm_rows(self, r: Array, rows: Array) -> Array:
+        """The final norm of rows `rows` of the residual stream -> act[B, H]: what the lm_head
+        reads, and an embedding model's pooled last-token states."""
         ops = self.ops
-        # The final norm is per row, so gather the sampled rows first and normalize only those.
-        h, _ = ops.rms_norm(ops.gather_rows(r, logits_indices), self.final_norm, self.cfg.rms_norm_eps, None)
-        return ops.logits(h, self.lm_head)
+        # The final norm is per row, so gather the rows first and normalize only those.
+        h, _ = ops.rms_norm(ops.gather_rows(r, rows), self.final_norm, self.cfg.rms_norm_eps, None)
+        return h
 
 
 def _arena_mark(ops: Backend) -> int | None:

@@ -75,12 +75,14 @@ class StepGraphs:
 
     def __init__(self, ops: Backend, model: Transformer, kv: Any, slots: list[SlotBuffers],
                  sampler: StepSampler, max_seqs: int, max_tokens: int, max_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, decode: bool = True) -> None:
+        """decode False: no decode graphs (an embedding model's steps are prompts only, and it
+        has no lm_head for a decode graph's logits)."""
         self.ops, self.model, self.kv, self.slots, self.sampler = ops, model, kv, slots, sampler
         self.max_blocks, self.max_model_len = max_blocks, max_model_len
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
         self.layer: dict[tuple[int, int], LayerGraphs] = {}
-        self.decode_sizes = tuple(n for n in GRAPH_SIZES if n <= max_seqs)
+        self.decode_sizes = tuple(n for n in GRAPH_SIZES if n <= max_seqs) if decode else ()
         top = {max_tokens} if max_tokens <= LAYER_GRAPH_SIZES[-1] else set()
         self.layer_sizes = tuple(sorted({n for n in LAYER_GRAPH_SIZES if n < max_tokens} | top))
         self.enabled = False  # capture() turns it on
@@ -172,9 +174,14 @@ class StepGraphs:
         return graph
 
     def replay_layers(self, slot: int, staged: StagedBatch, padded: int) -> Any:
+        """The step's layers replayed (replay_hidden), then the head: the logits of its sequences."""
+        hidden, fb = self.replay_hidden(slot, staged, padded)
+        return self.model.head(hidden, fb.logits_indices)
+
+    def replay_hidden(self, slot: int, staged: StagedBatch, padded: int) -> tuple[Any, ForwardBatch]:
         """Pad the step's tokens to the layer graphs' size (padding rows write no KV and feed no
         sequence), upload, then replay the graphs with each layer's attention between them;
-        returns the logits of the step's sequences."""
+        returns the residual stream they leave and the step's uploaded inputs."""
         ops, buf, layers = self.ops, self.slots[slot], self.layer[(slot, padded)]
         num_tokens = staged.num_tokens
         pad_tokens(buf, num_tokens, layers.size)
@@ -187,7 +194,7 @@ class StepGraphs:
                           self.model.scale, staged.max_query_len, staged.max_seq_len, out=out[:num_tokens],
                           decode_seqs=fb.num_decodes)
             graph.replay()
-        return self.model.head(layers.hidden, fb.logits_indices)
+        return layers.hidden, fb
 
 
 def pad_tokens(buf: SlotBuffers, num_tokens: int, size: int) -> None:

@@ -90,11 +90,13 @@ def _fp8_layer_sizes(tokens: int, h: int, inter: int, hq: int, hk: int, d: int, 
 
 
 def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
-                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> int:
+                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None,
+                     pooling: bool = False) -> int:
     """Arena bytes of a step of `tokens` tokens over `seqs` sampled sequences with logprobs_k top
     logprobs (0: none), as the forward, the head and the sampler allocate them (on one rank of a
     tensor_parallel_size split: the one with the most vocabulary rows), with fp8 weights in that
-    format when given."""
+    format when given. pooling: an embedding model's step, which stops at the final norm of each
+    sequence's last row (no logits, no sampler; vt.runner.pooling)."""
     split = TensorSplit.of(mc, tensor_parallel_size)
     h, inter, v = mc.hidden_size, split.intermediate, mc.vocab_size
     hq, hk, d = split.heads, split.kv_heads, mc.head_dim
@@ -110,6 +112,8 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
                   tokens * 2 * inter * ACT_BYTES,              # gate_up
                   tokens * inter * ACT_BYTES]                  # silu_mul
     sizes += [seqs * h * ACT_BYTES, seqs * h * ACT_BYTES]  # gathered last rows, final norm
+    if pooling:
+        return sum(aligned(s) for s in sizes)
     if split.size > 1:
         sizes += [seqs * split.max_vocab_rows * 4,         # this rank's f32 logits
                   seqs * v * 4]                            # all ranks' logits, gathered rank-major
@@ -124,15 +128,18 @@ def step_arena_bytes(mc: ModelConfig, tokens: int, seqs: int, logprobs_k: int,
 
 
 def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None) -> StepMemory:
-    """The per-slot memory of the largest step these flags allow (on each rank of the split)."""
+                     tensor_parallel_size: int = 1, fp8: Fp8Format | None = None,
+                     pooling: bool = False) -> StepMemory:
+    """The per-slot memory of the largest step these flags allow (on each rank of the split;
+    pooling: of an embedding model's steps)."""
     tokens = max(max_num_batched_tokens, max_num_seqs)
     seqs = max_num_seqs
     heads = TensorSplit.of(mc, tensor_parallel_size).heads
     partials = min(ATTENTION_PARTIALS_MAX,
                    attention_partial_bytes(MAX_KEY_SPLITS, tokens, heads, mc.head_dim))
     return StepMemory(tokens=tokens, seqs=seqs,
-                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size, fp8),
+                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size, fp8,
+                                                   pooling),
                       attention_partials_bytes=partials)
 
 

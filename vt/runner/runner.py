@@ -26,6 +26,7 @@ import numpy as np
 from vt.config import EngineConfig, ModelConfig
 from vt.kernels.base import Backend
 from vt.model.loader import load_weights
+from vt.model.pooling import PoolingConfig
 from vt.model.quantization import checkpoint_format
 from vt.model.quantization import resolve as resolve_quantization
 from vt.model.transformer import Transformer
@@ -37,6 +38,7 @@ from vt.runner.memory_plan import (
     plan_step_memory,
     reserve_step_memory,
 )
+from vt.runner.pooling import PooledRow, StepPooler
 from vt.runner.sampler import StepSampler
 from vt.runner.staging import EosFor, SamplerRows, StagedBatch, stage_batch, upload_inputs
 from vt.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -67,6 +69,8 @@ class StepOutput:
     sampled: tuple[SampledToken, ...]   # one per sequence of the batch with sample=True
     launch_time: float
     done_time: float
+    # an embedding model's step samples nothing: the pooled state of each sequence with sample=True
+    pooled: tuple[PooledRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,26 +198,35 @@ def slot_waiters(slots: int) -> list[concurrent.futures.ThreadPoolExecutor]:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, ops: Backend, max_model_len: int) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, ops: Backend, max_model_len: int,
+                 pooling: PoolingConfig | None = None) -> None:
+        """pooling: an embedding model (the pooling runner): its steps end at each finishing
+        sequence's pooled state (StepOutput.pooled), with no lm_head, logits or sampling."""
         self.model_cfg, self.cfg, self.ops = model_cfg, cfg, ops
         self.max_model_len = max_model_len
         self.block_size = cfg.block_size
+        self.pooling = pooling
         # fp8 weights: the checkpoint's format, or --quantization fp8 on an unquantized one
         self.fp8 = resolve_quantization(checkpoint_format(model_cfg.quantization_config), cfg.quantization)
-        weights = load_weights(cfg.model, model_cfg, self.fp8)
-        self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size, self.fp8)
+        weights = load_weights(cfg.model, model_cfg, self.fp8, pooling is None)  # lm_head: not for pooling
+        self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size, self.fp8,
+                                 lm_head=pooling is None)
         del weights
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.max_seqs = cfg.max_num_seqs
         self.max_blocks = -(-max_model_len // self.block_size)
         # Everything a step needs is reserved before the KV cache takes the rest.
         self.step_memory = plan_step_memory(model_cfg, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                            cfg.tensor_parallel_size, self.fp8)
+                                            cfg.tensor_parallel_size, self.fp8, pooling is not None)
         reserve_step_memory(ops, cfg, self.step_memory)
         self.mask_words = -(-model_cfg.vocab_size // 32)
-        self.sampler = StepSampler(ops, cfg.max_num_seqs, model_cfg.vocab_size, self.mask_words)
+        # An embedding model samples nothing: its sampler keeps the rows' last tokens only (the
+        # per-token tables are one column wide instead of max_num_seqs x vocab).
+        sampled_vocab = 1 if pooling is not None else model_cfg.vocab_size
+        self.sampler = StepSampler(ops, cfg.max_num_seqs, sampled_vocab, self.mask_words)
         self.slots = [SlotBuffers(ops, self.max_tokens, self.max_seqs, self.max_blocks, self.mask_words)
                       for _ in range(ops.num_slots())]
+        self.pooler = StepPooler(ops, self.model, ops.num_slots(), self.max_seqs) if pooling else None
         # slot -> (logits or decode graph, arena offset) of a masked step whose sampler waits for
         # its masks
         self._parked: dict[int, tuple[Any, int | None]] = {}
@@ -241,7 +254,7 @@ class ModelRunner:
         # they were processed.
         self.waiters = slot_waiters(ops.num_slots()) if ops.name != "numpy" else []
         self.step_graphs = StepGraphs(ops, self.model, self.kv, self.slots, self.sampler, self.max_seqs,
-                                      self.max_tokens, self.max_blocks, max_model_len)
+                                      self.max_tokens, self.max_blocks, max_model_len, decode=pooling is None)
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
         self.guided_routes: Counter = Counter()  # the same, for steps with guided rows
         self.deferred_samples = 0  # masked steps: their sampler waited for the previous step's tokens
@@ -296,12 +309,14 @@ class ModelRunner:
         sampler passes run), all at the longest context (decodes beside one long prompt chunk).
         A step that cannot run fails here, not on a request. Its tokens write only into block 0
         (nothing is cached yet) and its sampler rows are released before any request is
-        admitted."""
+        admitted. An embedding model's largest step pools every sequence instead."""
         plan, mml = self.step_memory, self.max_model_len
+        pooling = self.pooler is not None
         blocks = (0,) * self.max_blocks
         guided = StructuredOutput(GrammarSpec("regex", "a"))  # never compiled: every token allowed
-        new = NewRequestData((1,), (), SamplingParams(max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS,
-                                                      structured=guided))
+        params = SamplingParams(max_tokens=1, temperature=0.0) if pooling else SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=MAX_LOGPROBS, structured=guided)
+        new = NewRequestData((1,), (), params)
         lens = [1] * plan.seqs
         extra = plan.tokens - plan.seqs
         for i in range(plan.seqs - 1, -1, -1):  # the rest as prompt chunks of at most mml tokens
@@ -315,8 +330,8 @@ class ModelRunner:
             out.fill(-1)
 
         for _ in range(self.ops.num_slots()):
-            h = self.execute(batch, lambda _rid: (), allow_all, defer_masks=True)
-            self.sample_deferred(h, allow_all)
+            h = self.execute(batch, lambda _rid: (), allow_all, defer_masks=not pooling)
+            self.sample_deferred(h, allow_all)  # nothing to do for a step with no guided rows
             h.result()
         for i in range(plan.seqs):
             self.release(f"profile-{i}")
@@ -495,6 +510,11 @@ class ModelRunner:
         with ops.slot(slot):
             self._order_after_previous(st)
             ops.limit_gemm_sms(slot, st.gemm_sms)
+            if self.pooler is not None:  # an embedding model: no logits, no sampler
+                hidden, rows = self._hidden(st)
+                self.pooler.pool(slot, hidden, rows, st.staged.num_seqs)
+                ops.record(slot)
+                return
             forward = self._forward(st)
             self._sample_first_pass(st, forward)
             ops.record(slot)  # the next step launches behind this (the first pass, if deferred)
@@ -534,6 +554,18 @@ class ModelRunner:
                            staged.num_decodes)
         return self.model.forward(fb, self.kv)
 
+    def _hidden(self, st: StepLaunch) -> tuple[Any, Any]:
+        """An embedding model's forward by its route (per-layer graphs or eager; it has no decode
+        graphs): the residual stream and the row each sequence ends on."""
+        staged = st.staged
+        if st.route == "layer_graphs":
+            hidden, fb = self.step_graphs.replay_hidden(st.slot, staged, st.padded)
+            return hidden, fb.logits_indices
+        fb = upload_inputs(self.ops, self.slots[st.slot], self.sampler.last_tokens, staged.num_tokens,
+                           staged.num_seqs, staged.max_blocks, staged.max_query_len, staged.max_seq_len,
+                           staged.num_decodes)
+        return self.model.hidden(fb, self.kv), fb.logits_indices
+
     def _sample_first_pass(self, st: StepLaunch, forward: Any) -> None:
         """The sampler of a step whose forward ran: the decode graph's sampler part after the
         masks, or the sampler on the logits. A masked step's masks come later: this pass leaves
@@ -550,7 +582,13 @@ class ModelRunner:
     # ---- results ------------------------------------------------------------------------------
     def _collect(self, h: StepHandle, first: bool = False) -> StepOutput:
         """The step's sampled tokens; first: only its first pass's rows (every row but the
-        masked ones), and once those are collected, a later call gives the masked rows alone."""
+        masked ones), and once those are collected, a later call gives the masked rows alone.
+        An embedding model's step gives its finished prompts' pooled states instead."""
+        if self.pooler is not None:
+            done = h.future.result()
+            pooled = self.pooler.collect(h.slot, h.staged.sampled)
+            self._free_slot(h)
+            return StepOutput(h.step_id, (), h.launch_time, done, pooled)
         buf = self.slots[h.slot]
         k = h.staged.logprobs_k
         masked = h.staged.masked_rows
