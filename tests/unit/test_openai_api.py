@@ -34,6 +34,7 @@ class Out:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: str = "engine"
 
 
 class CharTokenizer:

@@ -15,7 +15,7 @@ fields) and its limit to `AdmissionLimits`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,12 +103,43 @@ def check_params(params: SamplingParams, limits: AdmissionLimits, num_prompts: i
                 "stop_token_ids", f"with min_tokens set, at most {limits.max_banned} distinct stop "
                                   f"token ids (end-of-sequence ids included) can be held back; got "
                                   f"{len(banned)}")
-        if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
-            raise SamplingParamsError(
-                "allowed_token_ids", f"every token in allowed_token_ids is a stop token held back "
-                                     f"until min_tokens ({params.min_tokens}) is reached, so no token "
-                                     f"could be sampled")
+    check_first_token(params, limits.eos_token_ids, limits.vocab_size)  # a grammar's start: add_request
     return dataclasses.replace(params, **changes) if changes else params
+
+
+def held_back(params: SamplingParams, eos_token_ids: Set[int], num_output: int) -> frozenset[int]:
+    """The ids min_tokens holds back while the request's output token num_output + 1 is sampled."""
+    if num_output >= params.min_tokens:
+        return frozenset()
+    eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+    return frozenset(params.stop_token_ids) | eos
+
+
+def check_first_token(params: SamplingParams, eos_token_ids: Set[int], vocab_size: int,
+                      grammar_mask: np.ndarray | None = None, grammar_complete: bool = False) -> None:
+    """SamplingParamsError naming the field if the request's first token could be no token at all:
+    every token its allowed_token_ids, or its grammar, allows is one min_tokens holds back. The
+    one check of a row left with nothing to sample that admission can make (engine/allowed_tokens.py
+    says what a step does where it shows only later).
+
+    grammar_mask: the bitmask (i32 words, llguidance's layout) of the tokens the request's grammar
+    allows first, once compiled (AsyncEngine.add_request); grammar_complete: the grammar accepts
+    the empty output, which then ends there rather than fail."""
+    banned = held_back(params, eos_token_ids, 0)
+    if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
+        raise SamplingParamsError(
+            "allowed_token_ids", f"every token in allowed_token_ids is a stop token held back until "
+                                 f"min_tokens ({params.min_tokens}) is reached, so no token could be sampled")
+    if grammar_mask is None or grammar_complete:
+        return
+    allowed = np.unpackbits(np.ascontiguousarray(grammar_mask, np.int32).view(np.uint8),
+                            bitorder="little")[:vocab_size].astype(bool)
+    allowed[[t for t in banned if t < vocab_size]] = False
+    if not allowed.any():
+        raise SamplingParamsError(
+            "min_tokens", f"the structured output can only start with tokens that min_tokens "
+                          f"({params.min_tokens}) holds back (the end of sequence and stop_token_ids), "
+                          f"so no token could be sampled")
 
 
 def check_priority(priority: int, limits: AdmissionLimits) -> None:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from vt.engine.outputs import RequestOutput, RequestStream, TokenLogprob
+from vt.engine.outputs import ERROR_REQUEST, ERROR_STOPPED, RequestOutput, RequestStream, TokenLogprob
 from vt.http.errors import HttpError
 from vt.http.messages import HttpRequest
 
@@ -29,6 +29,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_kind: str | None = None  # with error: RequestOutput.error_kind
     text_offset: int = 0   # characters streamed so far, for completions text_offset
 
     def update(self, out: RequestOutput) -> None:
@@ -42,6 +43,18 @@ class Choice:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
             self.error = out.error
+            self.error_kind = out.error_kind
+
+
+def engine_failure(message: str | None, kind: str | None) -> HttpError:
+    """The answer to a request the engine ended with an error, by the error's kind: the request's
+    own constraints (400), a stopping server (503) or the engine (500)."""
+    if kind == ERROR_REQUEST:
+        return HttpError(400, message or "the request cannot go on")
+    if kind == ERROR_STOPPED:
+        return HttpError(503, message or "the server stopped before the request was done",
+                         type="service_unavailable", headers=[("retry-after", "1")])
+    return HttpError(500, message or "the request failed in the engine", type="internal_server_error")
 
 
 def usage(num_prompt_tokens: int, choices: list[Choice], more_tokens: int = 0) -> dict[str, int]:
@@ -93,7 +106,7 @@ async def close_streams(streams: list[RequestStream]) -> None:
 
 async def collect(request: HttpRequest, streams: list[RequestStream], choices: list[Choice]) -> None:
     """Drain all streams into `choices`; a client disconnect aborts them (a 499), a request the
-    engine failed fails the answer (a 500)."""
+    engine failed fails the answer (engine_failure)."""
 
     async def drain() -> None:
         async for i, out in merge_outputs(streams):
@@ -114,5 +127,4 @@ async def collect(request: HttpRequest, streams: list[RequestStream], choices: l
     work.result()
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
-        raise HttpError(500, failed[0].error or "the request failed in the engine",
-                        type="internal_server_error")
+        raise engine_failure(failed[0].error, failed[0].error_kind)

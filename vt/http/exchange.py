@@ -162,6 +162,12 @@ def internal_error() -> Response:
     return Response(500, error_body("Internal server error", type="server_error"))
 
 
+def stopped_error() -> Response:
+    """The answer to a request the server stopped before it was done (the shutdown timeout ran out)."""
+    message = "the server stopped before this request was done; retry on another replica"
+    return Response(503, error_body(message, type="service_unavailable"), headers=[("retry-after", "1")])
+
+
 async def close_chunks(chunks: object) -> None:
     """Close a response iterator so the handler's `finally` runs; errors there are only logged."""
     aclose = getattr(chunks, "aclose", None)
@@ -186,6 +192,8 @@ class Responder:
         self._task: asyncio.Task[None] | None = None
         self._current: QueuedRequest | None = None  # the request being answered
         self.in_handler = False
+        self._handler: asyncio.Future[Response | StreamResponse] | None = None  # the running handler
+        self._handler_stopped = False  # stop_handler() cancelled it: its request gets stopped_error()
 
     @property
     def idle(self) -> bool:
@@ -222,6 +230,14 @@ class Responder:
         if self._task is not None and not self.in_handler:
             self._task.cancel()
 
+    def stop_handler(self) -> None:
+        """The server stops: a handler still at work on its request (reading its prompt, a
+        template, a grammar, the engine's answer) is cancelled and its request answered 503."""
+        handler = self._handler
+        if handler is not None and not handler.done():
+            self._handler_stopped = True
+            handler.cancel()
+
     def cancel(self) -> asyncio.Task[None] | None:
         """Stop answering; returns the worker (cancelled) so the caller can wait for its cleanup."""
         task = self._task
@@ -246,7 +262,7 @@ class Responder:
                     connection.close()
                     return
                 await flow.drain()  # a reader that stops reading stops the queue too
-                if self._server.closing:
+                if self._server.closing and not self._queue:  # the requests queued get their answers
                     connection.close()
                     return
             connection.queue_answered()
@@ -281,9 +297,9 @@ class Responder:
                 if isinstance(response, StreamResponse):
                     await close_chunks(response.chunks)
                 return False
-            # After a half-close, the last request queued gets the close.
-            keep_alive = (item.keep_alive and not server.closing
-                          and not (self._connection.half_closed and not self._queue))
+            # After a half-close or when the server closes, the last request queued gets the close.
+            keep_alive = item.keep_alive and not ((server.closing or self._connection.half_closed)
+                                                  and not self._queue)
             if isinstance(response, StreamResponse):
                 return await self._send_stream(response, item, keep_alive)
             try:
@@ -305,11 +321,20 @@ class Responder:
 
     async def _run_handler(self, request: HttpRequest) -> Response | StreamResponse:
         self.in_handler = True
+        # A task of its own, so that a stopping server can cancel the handler and still have this
+        # worker write the 503 that answers its request.
+        self._handler_stopped = False
+        handler: asyncio.Future[Response | StreamResponse] | None = None
         try:
-            response = await self._server.handler(request)
+            handler = self._handler = asyncio.ensure_future(self._server.handler(request))
+            response = await handler
             if not isinstance(response, (Response, StreamResponse)):
                 raise TypeError(f"handler returned {type(response).__name__}, not Response/StreamResponse")
             return response
+        except asyncio.CancelledError:
+            if not (self._handler_stopped and handler is not None and handler.cancelled()):
+                raise  # the worker itself is cancelled (the connection is gone)
+            return stopped_error()
         except HttpError as exc:
             return Response(exc.status, exc.body(), headers=exc.headers)
         except Exception:
@@ -317,6 +342,7 @@ class Responder:
             return internal_error()
         finally:
             self.in_handler = False
+            self._handler = None
 
     async def _send_stream(self, response: StreamResponse, item: QueuedRequest, keep_alive: bool) -> bool:
         chunked = not item.http10  # HTTP/1.0 has no chunked coding: the close ends the body

@@ -113,10 +113,8 @@ class Generation:
     def _start(self, request_ids: list[str], prompts: list[list[int]], request: GenerationRequest,
                max_tokens: list[int | None]) -> list[RequestStream]:
         """Add the n engine requests of each prompt (choice k: prompt k // n, sample k % n); on any
-        failure abort the ones already added."""
-        if self._context.draining:
-            raise HttpError(503, "the server is shutting down; retry on another replica",
-                            type="service_unavailable", headers=[("retry-after", "1")])
+        failure abort the ones already added. (A draining server refuses new requests before
+        their handler starts: one that started before the drain comes here to finish.)"""
         engine = self._context.engine
         streams: list[RequestStream] = []
         asked, priority = request.params, request.priority

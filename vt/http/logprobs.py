@@ -49,8 +49,9 @@ class Logprobs:
         def top(i: int) -> dict[str, float]:
             entry = logprobs[i]
             alternatives = {name(token_id): max(logprob, LOGPROB_FLOOR) for token_id, logprob in entry.top}
-            # the sampled token is always listed
-            alternatives.setdefault(tokens[i], max(entry.logprob, LOGPROB_FLOOR))
+            # The sampled token is always listed, with its own logprob: keyed by text (as vLLM keys
+            # them), another token with the same text may have taken its key.
+            alternatives[tokens[i]] = token_logprobs[i]
             return alternatives
 
         tops = LazyList(len(logprobs), top)

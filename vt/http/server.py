@@ -21,7 +21,7 @@ from urllib.parse import unquote_to_bytes
 import httptools
 
 from vt.http.errors import error_body
-from vt.http.exchange import QueuedRequest, Rejection, Responder, render_closing
+from vt.http.exchange import QueuedRequest, Rejection, Responder, render_closing, stopped_error
 from vt.http.flow import LINGER_S, FlowControl
 from vt.http.messages import Handler, HttpRequest, Precheck, PushBody, Response, StreamResponse
 
@@ -405,6 +405,18 @@ class _Connection(asyncio.Protocol):
 
     # -- shutdown ---------------------------------------------------------------------------------
 
+    @property
+    def busy(self) -> bool:
+        """A request is being received, waits to be answered or is being answered."""
+        return self._in_message or not self._responder.idle
+
+    def stop_requests(self) -> None:
+        """The server stops before these requests are done: a handler still at work is stopped
+        and its request answered 503, as is a request still arriving (then the connection closes)."""
+        self._responder.stop_handler()
+        if self._in_message and not self._flow.closed:
+            self._fail(503, "", stopped_error())
+
     def close_if_idle(self) -> None:
         if self._responder.idle:
             self.close()
@@ -433,7 +445,6 @@ class HttpServer:
         self._connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._closing = False
-        self._drained: asyncio.Event | None = None
         self._date_second = -1
         self._date_value = ""
 
@@ -466,6 +477,27 @@ class HttpServer:
         """close() has begun: no new connection, no keep-alive."""
         return self._closing
 
+    @property
+    def busy(self) -> bool:
+        """Some connection is receiving a request, or has one waiting or being answered."""
+        return any(connection.busy for connection in self._connections)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until no request is being received, waits or is being answered
+        (polled: this runs once, at shutdown); whether that came."""
+        deadline = time.monotonic() + timeout
+        while self.busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def stop_requests(self) -> None:
+        """Shutting down past the time requests had to finish: every request still arriving or
+        being worked on is answered 503 (streams already under way are their producers' to end)."""
+        for connection in list(self._connections):
+            connection.stop_requests()
+
     async def close(self, timeout: float) -> None:
         """Stop accepting, let in-flight requests finish for up to `timeout` s, then close everything."""
         self._closing = True
@@ -473,12 +505,8 @@ class HttpServer:
             self._server.close()
         for connection in list(self._connections):
             connection.close_if_idle()
-        if self._in_flight > 0:
-            self._drained = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._drained.wait(), timeout)
-            except asyncio.TimeoutError:
-                logger.warning("closing with %d requests still in flight", self._in_flight)
+        if not await self.wait_idle(timeout):
+            logger.warning("closing with %d requests still in flight", self._in_flight)
         workers = [w for w in (c.shutdown() for c in list(self._connections)) if w is not None]
         if workers:
             await asyncio.wait(workers, timeout=1.0)
@@ -495,8 +523,6 @@ class HttpServer:
 
     def request_finished(self) -> None:
         self._in_flight -= 1
-        if self._in_flight == 0 and self._drained is not None:
-            self._drained.set()
 
     def count_response(self, status: int) -> None:
         self.responses_total[status] = self.responses_total.get(status, 0) + 1

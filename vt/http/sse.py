@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from vt.engine.outputs import RequestOutput, RequestStream
-from vt.http.choices import close_streams, merge_outputs
+from vt.http.choices import close_streams, engine_failure, merge_outputs
 from vt.http.engine_client import EngineClient
 from vt.http.messages import PushBody, StreamResponse
 
@@ -44,9 +44,11 @@ class TextEvents:
 
 
 def error_event(out: RequestOutput) -> bytes:
-    """The SSE event that ends a stream whose request failed inside the engine."""
-    return sse_event({"error": {"message": out.error or "the request failed in the engine",
-                                "type": "internal_server_error", "param": None, "code": None}})
+    """The SSE event that ends a stream whose request the engine ended with an error (its type
+    by the error's kind, as a whole answer's status would be)."""
+    failure = engine_failure(out.error, out.error_kind)
+    return sse_event({"error": {"message": failure.message, "type": failure.type, "param": None,
+                                "code": None}})
 
 
 def nothing_new(out: RequestOutput) -> bool:

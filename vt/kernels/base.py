@@ -179,10 +179,12 @@ class Backend(Protocol):
         Otherwise on l = logits / T: keep tokens with l >= k-th largest (top_k i32, <= 0 = off),
         then those whose probability-sorted prefix mass before them is < top_p (f32, 1 = off),
         then those with p >= min_p * max p (f32, 0 = off); pick by the Gumbel rule in this
-        module's docstring with seeds (u64 as i64[B]) and offsets i32[B]."""
+        module's docstring with seeds (u64 as i64[B]) and offsets i32[B]. A row whose every
+        logit is -inf (no token allowed) gets -1."""
 
     def record_sampled(self, last_tokens: Array, out_counts: Array, rows: Array, ids: Array) -> None:
-        """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 (rows[b] >= 0)."""
+        """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 (rows[b] >= 0
+        and ids[b] >= 0: a row that sampled -1 is left as it was)."""
 
     def bias_logits(self, logits: Array, sel: Array, tokens: Array, biases: Array) -> None:
         """In place, logit_bias and allowed_token_ids. For each m (sel i32[M, 4] = batch row b,

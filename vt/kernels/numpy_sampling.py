@@ -20,6 +20,9 @@ The rules, stated exactly so another implementation can match them bit for bit w
   then clamped to the largest float32 below 1 (0x3F7FFFFF), keeping the noise finite.
   Noise is drawn for every token id of the vocabulary, independent of the batch and the filters,
   so a seeded request gets the same token whatever batch it runs in.
+- No token allowed (every logit of the row is -inf after biases, bans and masks): the row samples
+  -1, never a token the request's constraints exclude; record_sampled skips it, and the engine
+  ends that request with its own error.
 Exact float ties at filter boundaries may round differently on another backend; tests avoid them.
 """
 
@@ -90,6 +93,7 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     batch, vocab = logits.shape
     temperature = np.asarray(temperature, dtype=np.float32)
     out = np.argmax(logits, axis=1).astype(np.int32)  # greedy rows are done
+    out[logits[np.arange(batch), out] == -np.inf] = -1  # ... but a row whose every token is excluded
     rand = np.nonzero(temperature >= GREEDY_EPS)[0]
     if rand.size == 0:
         return out
@@ -102,7 +106,8 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     for j, b in enumerate(rand):
         keep = _kept_mask(scaled[j], int(top_k[b]), float(top_p[b]), float(min_p[b]))
         score[j, ~keep] = -np.inf
-    out[rand] = np.argmax(score, axis=1)
+    best = np.argmax(score, axis=1)
+    out[rand] = np.where(score[np.arange(rand.size), best] == -np.inf, -1, best)
     return out
 
 
@@ -115,7 +120,8 @@ def log_softmax_topk(logits: np.ndarray, ids: np.ndarray,
     lse = m + np.log(np.sum(np.exp(logits - m), axis=1, keepdims=True, dtype=np.float32))
     lp = (logits - lse).astype(np.float32)
     ids = np.asarray(ids, dtype=np.int64)
-    chosen = lp[np.arange(batch), ids].astype(np.float32)
+    valid = (ids >= 0) & (ids < vocab)  # -1: the row had no token to sample
+    chosen = np.where(valid, lp[np.arange(batch), np.where(valid, ids, 0)], -np.inf).astype(np.float32)
     k = min(int(k), vocab)
     top_ids = np.zeros((batch, max(k, 0)), dtype=np.int32)
     top_lp = np.zeros((batch, max(k, 0)), dtype=np.float32)
@@ -193,10 +199,12 @@ def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarra
 
 def record_sampled(last_tokens: np.ndarray, out_counts: np.ndarray, rows: np.ndarray,
                    ids: np.ndarray) -> None:
-    """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 where rows[b] >= 0."""
+    """In place: last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1 where rows[b] >= 0
+    and ids[b] >= 0 (a row that sampled no token keeps its last token: a decode already launched
+    behind it reads a valid id, and its output is dropped)."""
     rows = np.asarray(rows)
     ids = np.asarray(ids)
-    valid = rows >= 0
+    valid = (rows >= 0) & (ids >= 0)
     r, t = rows[valid], ids[valid]
     last_tokens[r] = t
     np.add.at(out_counts, (r, t), 1)

@@ -268,16 +268,17 @@ extern "C" __global__ void bias_logits_k(float* __restrict__ logits, const int* 
     else if (exclusive) *x = -VT_INF;
 }
 
-// last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1.
+// last_tokens[rows[b]] = ids[b]; out_counts[rows[b], ids[b]] += 1. An id of -1 (the row had no
+// token to sample) leaves the row as it was: a decode launched behind it reads a valid token.
 extern "C" __global__ void record_sampled_k(int* __restrict__ last_tokens, int* __restrict__ out_counts,
                                             const int* __restrict__ rows, const int* __restrict__ ids, int n,
                                             int num_rows, int vocab) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n) return;
     const int r = rows[b], id = ids[b];
-    if (r < 0 || r >= num_rows) return;
+    if (r < 0 || r >= num_rows || id < 0 || id >= vocab) return;
     last_tokens[r] = id;
-    if (id >= 0 && id < vocab) atomicAdd(out_counts + (size_t)r * vocab + id, 1);
+    atomicAdd(out_counts + (size_t)r * vocab + id, 1);
 }
 
 // ---- the sampler ------------------------------------------------------------------------------
@@ -657,7 +658,8 @@ __device__ __noinline__ void sample_row_full(const float* row, int vocab, float 
 }
 
 // Grid (splits, B), blockDim 1024. Greedy rows: argmax of raw logits. Others: l = logits / T,
-// filters as in numpy_sampling, then argmax of l + gumbel over the kept tokens. Unfiltered rows
+// filters as in numpy_sampling, then argmax of l + gumbel over the kept tokens. A row with no
+// allowed token (every logit -inf) samples -1, as numpy_sampling's does. Unfiltered rows
 // are split over `splits` blocks (each an exact argmax of its part); a filtered row is handled
 // by its first block. With splits > 1 each block leaves (score, id) in part_v / part_i for
 // sample_combine_k; with one split the block writes out[b].
@@ -692,7 +694,7 @@ sample_k(const float* __restrict__ logits, const float* __restrict__ temperature
     }
     if (threadIdx.x == 0) {
         if (splits == 1) {
-            out[b] = bi == NO_ID ? 0 : bi;
+            out[b] = (bi == NO_ID || bv == -VT_INF) ? -1 : bi;
         } else {
             part_v[(size_t)b * splits + part] = bv;
             part_i[(size_t)b * splits + part] = bi;
@@ -712,5 +714,5 @@ extern "C" __global__ void sample_combine_k(const float* __restrict__ part_v, co
         if (better(v, i, bv, bi)) { bv = v; bi = i; }
     }
     warp_argmax(bv, bi);
-    if (threadIdx.x == 0) out[b] = bi == NO_ID ? 0 : bi;
+    if (threadIdx.x == 0) out[b] = (bi == NO_ID || bv == -VT_INF) ? -1 : bi;
 }

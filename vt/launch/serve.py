@@ -59,13 +59,27 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
     print("vt: shutting down", flush=True)
     if stats is not None:
         stats.cancel()
-    # Drain: /health turns 503 and new requests get 503 at once while the listener stays open, so
-    # balancers and routers move traffic elsewhere; in-flight requests finish within the timeout
-    # and the rest are aborted. Then the server closes, with a second for the last chunks.
-    app.begin_drain()
-    await engine.stop(shutdown_timeout)
-    await server.close(1.0)
+    await shut_down(app, engine, server, shutdown_timeout)
     return 0
+
+
+async def shut_down(app: OpenAIApp, engine: AsyncEngine, server: HttpServer, timeout: float) -> None:
+    """Every request accepted before the signal ends with an answer its client can read.
+
+    Drain: /health turns 503 and new generation requests get 503 at once while the listener
+    stays open, so balancers and routers move traffic elsewhere. The requests already accepted
+    (still arriving, or being rendered, tokenized, compiled, generated or written) have `timeout`
+    seconds to finish. Past it, each one not yet answered gets a 503 (its handler is stopped:
+    a grammar compile it waited for is cancelled, its child killed) and each stream still under
+    way ends with an error event and [DONE]. Then the server closes, with a second for those last
+    writes."""
+    app.begin_drain()
+    if not await server.wait_idle(timeout):
+        log.warning("shutdown timeout (%g s) reached: answering the requests still open with an error",
+                    timeout)
+    server.stop_requests()
+    await engine.stop(0.0)
+    await server.close(1.0)
 
 
 # environment variable -> (HttpLimits field, type); read until the CLI grows the matching flags

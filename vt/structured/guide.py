@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from vt.structured.spec import matcher_error
 
 
@@ -35,6 +37,21 @@ class Guide:
         if self.matcher.consume_token(token_id) and not self.matcher.is_error():
             return None
         return f"token {token_id} is outside the grammar: {matcher_error(self.matcher)}"
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole match of the grammar (it may end here, or go on)."""
+        return self.waiting_for is None and self.matcher.is_accepting() and not self.matcher.is_error()
+
+    def next_mask(self, words: int) -> np.ndarray:
+        """The tokens the grammar allows next, as a bitmask of i32[words] (llguidance's layout:
+        bit j of word w allows token 32 w + j); every token while the grammar does not apply yet."""
+        mask = np.full((1, words), -1, np.int32)
+        if self.active:
+            import llguidance.numpy as llg_np
+
+            llg_np.fill_next_token_bitmask(self.matcher, mask, 0)
+        return mask[0]
 
     @property
     def finished(self) -> bool:

@@ -237,12 +237,19 @@ class DetokStream:
     spaces_between_special_tokens false (with special tokens kept) is vLLM's detokenizer option:
     an added token that follows another added token is its own text, without the space a
     decoder may put between them.
+
+    min_tokens holds stop strings back as vLLM's detokenizer does: none is looked for until more
+    than min_tokens tokens are out, and then only where it ends in text those later tokens add
+    (it may begin in the text before).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._tok = tokenizer
+        self._min_tokens = min_tokens
+        self._pushed = 0  # tokens pushed: stop strings are looked for once there are more than min_tokens
+        self._stop_from = 0  # characters of pending text no stop string may end in (min_tokens' text)
         self._skip = skip_special_tokens
         # As vLLM: the option only matters where special tokens are kept and the tokenizer has any.
         glued = not (skip_special_tokens or spaces_between_special_tokens)
@@ -320,7 +327,7 @@ class DetokStream:
         stream would meet it, so the result does not depend on how text splits into tokens."""
         best: tuple[int, int, str] | None = None
         for s in self._stops:
-            i = self._pending.find(s)
+            i = self._pending.find(s, max(0, self._stop_from - len(s) + 1))
             if i < 0:
                 continue
             key = (i + len(s), -len(s), s)
@@ -335,6 +342,7 @@ class DetokStream:
         """Add one sampled token; returns the text safe to stream now ("" after a stop)."""
         if self.stop_str is not None:
             return ""
+        self._pushed += 1
         self._ids.append(int(token_id))
         new = self._decode_new()
         if self._added:
@@ -345,7 +353,9 @@ class DetokStream:
         if not new:
             return ""
         self._pending += new
-        if self._stops:
+        if self._stops and self._pushed <= self._min_tokens:
+            self._stop_from = len(self._pending)
+        elif self._stops:
             found = self._find_stop()
             if found is not None:
                 start, s = found
@@ -357,6 +367,7 @@ class DetokStream:
         if n <= 0:
             return ""
         out, self._pending = self._pending[:n], self._pending[n:]
+        self._stop_from = max(0, self._stop_from - n)
         return self._emit(out)
 
     def flush(self) -> str:
