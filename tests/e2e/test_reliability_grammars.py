@@ -121,6 +121,7 @@ def test_request_template_runtime_errors_are_400(server: ServerHandle) -> None:
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400, (name, r.text)
         assert "chat template" in _one_line_error(r)["message"]
+        assert r.json()["error"]["param"] == "chat_template", (name, r.text)  # the request's own field
     ok = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
                                                 "chat_template": "{{ messages[0].content }}"})
     assert ok.status_code == 200, ok.text
@@ -182,3 +183,17 @@ def test_stopping_during_a_slow_compile_keeps_to_the_shutdown_timeout(tiny_model
         assert time.monotonic() - start < 2 + 5.0, handle.output()
     finally:
         handle.stop()
+
+
+def test_a_server_template_that_fails_is_reported_at_start_and_refused_naming_messages(
+        tiny_model_dir: Path) -> None:
+    """--chat-template that compiles but cannot render a plain conversation: a warning when the
+    server starts (it then renders in the bounded child), and a 400 naming messages, never a 500."""
+    handle = start_server(tiny_model_dir, "--chat-template", "{{ messages[0].content }}{{ 1 / 0 }}")
+    try:
+        assert "--chat-template: " in handle.output(), handle.output()
+        r = _post(handle, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages"
+    finally:
+        assert handle.stop() == 0, handle.output()

@@ -50,7 +50,8 @@ class ChatRoute:
         reasoning = self._reasoning
         prompt_closed = reasoning is not None and reasoning.prompt_closed(prompt_ids)
         plan = ChatOutputPlan(reasoning, chat.tools, prompt_closed, chat.include_reasoning)
-        params = await constrain(engine, request.params, chat.constraint, plan.grammar_start())
+        params = await constrain(engine, request.params, chat.constraint, plan.grammar_start(),
+                                 disconnected=http_request.disconnected)
         request = dataclasses.replace(request, params=params)
         launch = generation.launch("chatcmpl", [prompt_ids], request, max_tokens)
         if request.stream:

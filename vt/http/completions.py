@@ -48,7 +48,8 @@ class CompletionRoute:
                    for prompt in request.prompts]
         max_tokens = generation.fit(prompts, request, limits, body.get("max_tokens") is not None, "prompt",
                                     "max_tokens")
-        request = dataclasses.replace(request, params=await constrain(engine, request.params, field))
+        params = await constrain(engine, request.params, field, disconnected=http_request.disconnected)
+        request = dataclasses.replace(request, params=params)
         num_prompt_tokens = sum(map(len, prompts))
         echoes = [await self._echo(prompt, ids, request) for prompt, ids in zip(request.prompts, prompts)] \
             if request.echo else None

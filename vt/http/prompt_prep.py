@@ -133,10 +133,11 @@ class PromptPreparer:
         return await self.run(work, len(text))
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          **template: Any) -> str | list[int]:
+                          template_param: str = "messages", **template: Any) -> str | list[int]:
         """The chat template's text (or token ids) for messages, bounded in time, memory and
         length; `template` holds the tokenizer's other rendering controls (tools, chat_template,
-        variables, ...)."""
+        variables, ...). A template that fails is a 400 naming template_param: `chat_template`
+        where the request brought its own, else `messages`."""
         tokenizer = self.tokenizer
 
         def work() -> str | list[int]:
@@ -154,7 +155,7 @@ class PromptPreparer:
             except ValueError as e:  # ChatTemplateError (which wraps TemplateLimitError)
                 text = str(e)
                 text = text if text.startswith("chat template") else f"chat template failed: {text}"
-                raise ProtocolError(text, "messages") from None
+                raise ProtocolError(text, template_param) from None
             if isinstance(rendered, str):
                 self._check_fits(rendered, "messages")
             return rendered

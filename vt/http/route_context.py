@@ -50,6 +50,7 @@ class RouteContext:
                                 "--trust-request-chat-template to allow them", "chat_template")
         rendered = await self.prompts.render_chat(
             list(messages), add_generation_prompt=template.add_generation_prompt,
+            template_param="messages" if template.chat_template is None else "chat_template",
             continue_final_message=template.continue_final_message,
             tools=list(template.tools) if template.tools is not None else None,
             chat_template=template.chat_template or self.options.chat_template,

@@ -12,12 +12,14 @@ the second. Whether the grammar compiles is checked later, off the event loop
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from vt.http.engine_client import EngineClient
+from vt.http.errors import HttpError
 from vt.http.protocol import ProtocolError
 from vt.sampling_params import SamplingParams
 from vt.structured.compiler import GrammarError
@@ -168,13 +170,29 @@ def parse_structured_fields(body: dict[str, Any]) -> StructuredField | None:
 
 
 async def constrain(engine: EngineClient, params: SamplingParams, field: StructuredField | None,
-                    start_after: int | None = None) -> SamplingParams:
+                    start_after: int | None = None,
+                    disconnected: asyncio.Event | None = None) -> SamplingParams:
     """params with the field's grammar, compiled by the engine off the event loop; a grammar
-    that does not compile is a 400 naming the field."""
+    that does not compile is a 400 naming the field. A client that goes away while its grammar
+    compiles cancels the compile (the compiler then stops its child and frees its place, unless
+    another request waits for the same grammar) and gets a 499."""
     if field is None:
         return params
+    compile_task = asyncio.ensure_future(engine.compile_grammar(field.spec))
+    gone = asyncio.ensure_future(disconnected.wait()) if disconnected is not None else None
     try:
-        await engine.compile_grammar(field.spec)
+        if gone is not None:
+            await asyncio.wait({compile_task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not compile_task.done():
+            compile_task.cancel()
+            await asyncio.gather(compile_task, return_exceptions=True)
+            raise HttpError(499, "client closed the request", code="client_closed_request")
+        compile_task.result()
     except GrammarError as e:
         raise ProtocolError(f"'{field.param}': {e}", field.param) from None
+    finally:
+        if gone is not None:
+            gone.cancel()
+        if not compile_task.done():  # the handler itself was cancelled (the server stops)
+            compile_task.cancel()
     return replace(params, structured=StructuredOutput(field.spec, start_after))

@@ -35,6 +35,12 @@ async def serve(cfg: EngineConfig, host: str, port: int, served_model_name: str,
         raise ValueError(f"--tokenizer {cfg.tokenizer}: its {engine.tokenizer.vocab_size} tokens do not fit "
                          f"the model's vocabulary of {engine.model_config.vocab_size}")
     await engine.start()
+    if options is not None and options.chat_template is not None:
+        # --chat-template renders in this process, as the model's own does, once it renders a plain
+        # conversation within its bound; otherwise in the bounded child, as a request's template
+        problem = engine.tokenizer.trust_chat_template(options.chat_template)
+        if problem is not None:
+            log.warning("--chat-template: %s; requests render it in a bounded child process", problem)
     app = OpenAIApp(engine, served_model_name, api_key=api_key, options=options)
     server = HttpServer(app.handle, limits or HttpLimits(), precheck=app.precheck, access_log=access_log)
     app.server = server
