@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from vt.engine.outputs import ERROR_REQUEST, ERROR_STOPPED, RequestOutput, RequestStream, TokenLogprob
+from vt.http.disconnects import unless_disconnected
 from vt.http.errors import HttpError
 from vt.http.messages import HttpRequest
 
@@ -112,19 +113,10 @@ async def collect(request: HttpRequest, streams: list[RequestStream], choices: l
         async for i, out in merge_outputs(streams):
             choices[i].update(out)
 
-    work = asyncio.ensure_future(drain())
-    gone = asyncio.ensure_future(request.disconnected.wait())
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await unless_disconnected(request.disconnected, drain())
     finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
         await close_streams(streams)
-    if not work.done() or work.cancelled():
-        raise HttpError(499, "client closed the request", code="client_closed_request")
-    work.result()
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
         raise engine_failure(failed[0].error, failed[0].error_kind)

@@ -14,7 +14,6 @@ naming the runner, and a generative model's answers this route so (`unserved_rou
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
@@ -29,6 +28,7 @@ import orjson
 from vt.engine.admission import check_priority
 from vt.engine.outputs import RequestOutput, RequestStream
 from vt.http.choices import close_streams, engine_failure, merge_outputs
+from vt.http.disconnects import unless_disconnected
 from vt.http.engine_client import PoolingClient
 from vt.http.errors import HttpError
 from vt.http.generation import engine_error
@@ -240,19 +240,10 @@ async def _collect(http_request: HttpRequest, streams: list[RequestStream]) -> l
             if out.finished:
                 finals[i] = out
 
-    work = asyncio.ensure_future(drain())
-    gone = asyncio.ensure_future(http_request.disconnected.wait())
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await unless_disconnected(http_request.disconnected, drain())
     finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
         await close_streams(streams)
-    if not work.done() or work.cancelled():
-        raise HttpError(499, "client closed the request", code="client_closed_request")
-    work.result()
     outputs = [out for out in finals if out is not None]
     failed = [out for out in outputs if out.finish_reason == "error" or out.embedding is None]
     if failed or len(outputs) != len(streams):

@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
+from vt.http.disconnects import unless_disconnected
 from vt.http.engine_client import EngineClient
-from vt.http.errors import HttpError
 from vt.http.protocol import ProtocolError
 from vt.sampling_params import SamplingParams
 from vt.structured.compiler import GrammarError
@@ -178,21 +178,9 @@ async def constrain(engine: EngineClient, params: SamplingParams, field: Structu
     another request waits for the same grammar) and gets a 499."""
     if field is None:
         return params
-    compile_task = asyncio.ensure_future(engine.compile_grammar(field.spec))
-    gone = asyncio.ensure_future(disconnected.wait()) if disconnected is not None else None
+    compiling = engine.compile_grammar(field.spec)
     try:
-        if gone is not None:
-            await asyncio.wait({compile_task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not compile_task.done():
-            compile_task.cancel()
-            await asyncio.gather(compile_task, return_exceptions=True)
-            raise HttpError(499, "client closed the request", code="client_closed_request")
-        compile_task.result()
+        await (compiling if disconnected is None else unless_disconnected(disconnected, compiling))
     except GrammarError as e:
         raise ProtocolError(f"'{field.param}': {e}", field.param) from None
-    finally:
-        if gone is not None:
-            gone.cancel()
-        if not compile_task.done():  # the handler itself was cancelled (the server stops)
-            compile_task.cancel()
     return replace(params, structured=StructuredOutput(field.spec, start_after))
