@@ -235,13 +235,8 @@ def parse_metadata(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------- the parser
 
 
-def build_bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vt bench",
-        description="Serving benchmark, with vllm bench serve's flags: random token-id prompts or a ShareGPT "
-                    "file as streaming completions or chat completions, against a vt server started here "
-                    "(--model, default: the built-in demo model) or already running (--base-url, or "
-                    "--host/--port).")
+def _target_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server is, or how to start one."""
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None,
                    help="a running server, e.g. http://127.0.0.1:8000 (a path after the port prefixes every "
@@ -277,6 +272,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
                         "read as bench flags: --server-args='--enforce-eager --max-model-len 4096'")
     t.add_argument("--server-timeout", type=float, default=600.0,
                    help="seconds to wait for the server to start")
+
+
+def _dataset_flags(p: argparse.ArgumentParser) -> None:
+    """What the requests are: prompts, lengths, sampling, priorities."""
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", type=_dataset, default="random",
                    help="random (default) or sharegpt; vLLM's other datasets are refused")
@@ -313,6 +312,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="send SHARE of the requests with priority P, e.g. `0:0.2` sends 20%% at priority 0 "
                         "and the rest at --priority; several pairs allowed, shares add up to at most 1; "
                         "lower priority runs first under --scheduling-policy priority")
+
+
+def _load_flags(p: argparse.ArgumentParser) -> None:
+    """How the requests arrive: rate, burstiness, concurrency, SLOs, A/B arms."""
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=math.inf,
                       help="mean requests per second (default inf: all at once)")
@@ -328,6 +331,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
                            "print them side by side (needs --model or the demo model, not --base-url)")
     load.add_argument("--repeats", type=_positive_int, default=1,
                       help="with --compare-async: runs per arm, order alternated")
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """What is printed and saved."""
     out = p.add_argument_group("output")
     out.add_argument("--percentile-metrics", default=None,
                      help="comma-separated figures to print percentiles of: ttft, tpot, itl, e2el "
@@ -350,8 +357,18 @@ def build_bench_parser() -> argparse.ArgumentParser:
                      help="save latency CDFs and throughput over time")
     out.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
                      help="no progress on stderr (a redrawn bar on a terminal, else a line per tenth)")
-    return p
 
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vt bench",
+        description="Serving benchmark, with vllm bench serve's flags: random token-id prompts or a ShareGPT "
+                    "file as streaming completions or chat completions, against a vt server started here "
+                    "(--model, default: the built-in demo model) or already running (--base-url, or "
+                    "--host/--port).")
+    for add in (_target_flags, _dataset_flags, _load_flags, _output_flags):
+        add(p)
+    return p
 
 # ---------------------------------------------------------------- to a config
 
