@@ -311,9 +311,10 @@ class GrammarChecker:
     def _start(self, ticket: CheckTicket, generation: int) -> _Child:
         root = str(Path(__file__).resolve().parents[2])  # the child imports this same vt
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
-                   # two malloc arenas and one BLAS thread: the address-space cap then measures the
-                   # grammar, not per-thread reservations
-                   MALLOC_ARENA_MAX="2", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+                   # one malloc arena and one BLAS thread: the address-space cap then measures the
+                   # grammar, not per-thread reservations (a second arena reserves 64 MiB when a
+                   # check's thread first allocates, which a 64 MiB cap then refuses at random)
+                   MALLOC_ARENA_MAX="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         proc = subprocess.Popen([sys.executable, "-m", "vt.structured.grammar_check"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, start_new_session=True)
         child = _Child(proc)
