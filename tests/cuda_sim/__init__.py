@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -118,11 +119,13 @@ _ELEMENT_KERNELS = {
 }
 
 
-def _element_launchers() -> str:
+def launchers(kernels: Mapping[str, tuple[str, str]]) -> str:
+    """A `sim_<kernel>` launcher (grid x, y, z, threads, smem bytes, then the kernel's arguments)
+    for each kernel: name -> (its C parameters, the call's arguments)."""
     return "\n".join(
         f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem, '
         f"{params}) {{ return sim::launch(gx, gy, gz, threads, smem, [&] {{ {name}({args}); }}); }}"
-        for name, (params, args) in _ELEMENT_KERNELS.items()
+        for name, (params, args) in kernels.items()
     )
 
 
@@ -157,7 +160,7 @@ def build(fname: str) -> ctypes.CDLL:
     elif fname == "attention.cu":
         src += _SCALAR + _COMBINE
     elif fname == "elementwise.cu":
-        src += "\n" + _element_launchers()
+        src += "\n" + launchers(_ELEMENT_KERNELS)
     return compile_host(Path(fname).stem, src)
 
 

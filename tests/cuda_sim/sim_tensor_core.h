@@ -58,25 +58,31 @@ inline void sim_ldsm(unsigned int* r, const void* p, bool trans) {
 inline void ldsm_x4(unsigned int* r, const void* p) { sim_ldsm(r, p, false); }
 inline void ldsm_x4_t(unsigned int* r, const void* p) { sim_ldsm(r, p, true); }
 
-inline void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+// One warp's m16n8k(8E) MMA on E-element words (bf16: E = 2, e4m3: E = 4): the PTX fragment layouts
+// above with k's 4E-wide halves in regs a0/a1 and a2/a3 (b0 and b1); decode(word, i) is element i of
+// a word, the lower-indexed element in the low bits.
+template <int E, class Decode>
+inline void sim_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1, Decode decode) {
     const int lane = sim::me().lane;
     uint32_t* mine = sim::xin();
     for (int i = 0; i < 4; ++i) mine[i] = a[i];
     mine[4] = b0;
     mine[5] = b1;
     const sim::XOut x = sim::xmeet();
-    auto A = [&](int r, int k) {
-        const int reg = (r / 8) + 2 * (k / 8);
-        return sim_bf(x.word[4 * (r % 8) + (k % 8) / 2][reg], k % 2);
-    };
-    auto B = [&](int k, int n) { return sim_bf(x.word[4 * n + (k % 8) / 2][4 + k / 8], k % 2); };
+    constexpr int H = 4 * E;  // k a register covers: each half of the MMA's k
+    auto A = [&](int r, int k) { return decode(x.word[4 * (r % 8) + (k % H) / E][r / 8 + 2 * (k / H)], k % E); };
+    auto B = [&](int k, int n) { return decode(x.word[4 * n + (k % H) / E][4 + k / H], k % E); };
     const int g = lane / 4, cc = lane % 4;
     for (int e = 0; e < 4; ++e) {
         const int r = g + 8 * (e / 2), n = 2 * cc + (e % 2);
         float acc = 0.f;
-        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
+        for (int k = 0; k < 8 * E; ++k) acc += A(r, k) * B(k, n);
         c[e] += acc;
     }
+}
+
+inline void mma_bf16(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    sim_mma<2>(c, a, b0, b1, [](uint32_t w, int i) { return sim_bf(w, i); });
 }
 
 // Round to nearest even, as cvt.rn does: cuda_common.cu's pack2 (compiled before this header).
@@ -93,4 +99,17 @@ inline unsigned int movmatrix_t(unsigned int a) {
         return c % 2 ? w >> 16 : w & 0xffffu;
     };
     return M(r0, col) | (M(r0 + 1, col) << 16);
+}
+
+// e4m3 code -> float (bias 7, subnormals at steps of 2^-9, 0x7f / 0xff NaN).
+inline float sim_e4m3(uint32_t code) {
+    const uint32_t e = (code >> 3) & 15u, m = code & 7u;
+    if (e == 15u && m == 7u) return NAN;
+    const float mag = e ? std::ldexp(1.f + m / 8.f, (int)e - 7) : std::ldexp((float)m, -9);
+    return (code & 0x80u) ? -mag : mag;
+}
+
+// mma.m16n8k32 e4m3 (sm_89+): as m16n8k16 with four codes a register.
+inline void mma_e4m3(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    sim_mma<4>(c, a, b0, b1, [](uint32_t w, int i) { return sim_e4m3((w >> (8 * i)) & 0xffu); });
 }

@@ -184,6 +184,31 @@ def test_linear_residual_adds_into_the_residual_and_fold_norm_weight(cb, nb, rng
     np.testing.assert_array_equal(cb.to_host(wd), bf16(folded))  # one product, rounded once
 
 
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize("n,k", [(776, 512), (512, 96), (3072, 512)])
+def test_decode_rows_run_the_gemv_and_match_numpy(cb, nb, rng, t, n, k, monkeypatch):
+    """Steps of up to 16 tokens (both GEMV kernels) take gemv.cu for row-major weights (strided
+    rows, a bias, the residual add); a column-major weight and 17 rows stay on cuBLAS. Both against
+    numpy."""
+    monkeypatch.setattr(cb, "gemv_max_tokens", 16)
+    x = bf16(rng.standard_normal((t, k + 32)))
+    w, b = bf16(rng.standard_normal((n, k)) / np.sqrt(k)), bf16(rng.standard_normal(n))
+    res = bf16(rng.standard_normal((t, n)))  # as large as the product: its rounding does not hide it
+    poison(cb)
+    laid = cb.gemm_layout(act(cb, w))
+    xd = act(cb, x)[:, 32:]  # rows 16-byte aligned, on a stride wider than k
+    assert cb._bf16_gemv_fits(xd, laid) == (t <= 16 and laid.flags.c_contiguous)
+    with cb.slot(0):
+        y = cb.to_host(cb.linear(xd, laid, act(cb, b)))
+        r = act(cb, res)
+        cb.linear_residual(xd, laid, r)
+        got = cb.to_host(r)
+    assert rel_err(y, nb.linear(x[:, 32:], w, b)) < BF16_TOL
+    ref = res.copy()
+    nb.linear_residual(x[:, 32:], w, ref)
+    assert rel_err(got - res, ref - res) < BF16_TOL
+
+
 @pytest.mark.parametrize("n,k", [(3072, 512), (512, 768)])
 def test_gemm_layout_keeps_linear_and_linear_residual(cb, nb, rng, n, k):
     """A wide weight comes back column-major, others as they were; linear and linear_residual
@@ -874,7 +899,7 @@ def test_top_p_keeps_a_whole_tie_group(cb, rng):
 def test_sampling_minus_inf_rows_and_bans(cb, rng):
     b, v = 10, 151936
     logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
-    logits[0] = -np.inf  # nothing allowed: token 0, as numpy
+    logits[0] = -np.inf  # nothing allowed: -1, as numpy (the engine ends that request alone)
     logits[1, :] = -np.inf
     logits[1, 777] = 1.0  # one allowed token
     logits[2, rng.random(v) < 0.9] = -np.inf  # mostly banned
@@ -885,7 +910,7 @@ def test_sampling_minus_inf_rows_and_bans(cb, rng):
         host = _rows(b, t, k, p, m, rng)
         got = _sample_cuda(cb, logits, host)
         np.testing.assert_array_equal(got, numpy_sampling.sample(logits, *host))
-        assert got[1] == 777 and got[0] == 0
+        assert got[1] == 777 and got[0] == -1
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 2e-5, 9.99e-6, 0.05])

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimUnavailable, compile_host, host_source
+from tests.cuda_sim import SimUnavailable, compile_host, host_source, launchers
 from vt.kernels import numpy_fp8 as f8
 from vt.kernels.sources import read_source
 
@@ -111,11 +111,8 @@ def test_block_scaled_gemm_pairs_128x128_weight_blocks_with_128_wide_activation_
 
 @pytest.fixture(scope="module")
 def lib():
-    launchers = "\n".join(
-        f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem, '
-        f"{params}) {{ return sim::launch(gx, gy, gz, threads, smem, [&] {{ {name}({args}); }}); }}"
-        for name, (params, args, _) in _KERNELS.items())
-    src = host_source(read_source("cuda_common.cu") + "\n" + read_source("fp8.cu")) + "\n" + launchers
+    entries = launchers({name: (params, args) for name, (params, args, _) in _KERNELS.items()})
+    src = host_source(read_source("cuda_common.cu") + "\n" + read_source("fp8.cu")) + "\n" + entries
     try:
         lib = compile_host("fp8", src)
     except SimUnavailable as e:

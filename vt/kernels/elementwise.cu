@@ -254,6 +254,7 @@ extern "C" __global__ void rms_scale_k(bf16_t* __restrict__ x, int x_stride, int
 #define SILU_AHEAD 4
 extern "C" __global__ void silu_mul_k(const bf16_t* __restrict__ x, bf16_t* __restrict__ out, int tokens, int inter,
                                       const bf16_t* __restrict__ rms_of, int rms_width, float eps) {
+    grid_dependents_go();  // the down projection's GEMV after this may start streaming its weights
     __shared__ float scratch[32];
     const int per_row = inter / 8, step = gridDim.x * blockDim.x;
     const int c0 = blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,6 +1,7 @@
 """Launchers of fp8.cu (activation quantization, fused into the norm and SiLU-mul) and the fp8
-GEMMs on cuBLASLt (cublas_lt.CublasLtFp8). Semantics are numpy_fp8.NumpyFp8Ops'; weights and
-activations cross the interface as quantized.Fp8Weight / Fp8Activation.
+GEMMs on cuBLASLt (cublas_lt.CublasLtFp8), or on gemv.cu's GEMV at up to 16 tokens. Semantics are
+numpy_fp8.NumpyFp8Ops'; weights and activations cross the interface as quantized.Fp8Weight /
+Fp8Activation.
 
 On CUDA an activation's e4m3 codes are uint8 [T, K]; its scales are f32 [T] per token, or per token
 and 128 columns group-major, f32 [G, T] (cuBLASLt's VEC128 layout for the B operand).
@@ -13,6 +14,7 @@ import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows
+from vt.kernels.gemm import GEMV_ROWS, GEMV_THREADS
 from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
 
 KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k")}
@@ -126,7 +128,7 @@ class Fp8Ops(CudaCore):
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
-        if x.q.shape[0] == t:
+        if x.q.shape[0] == t or self._gemv_fits(x, x.q.shape[1]):  # the GEMV runs the real rows only
             self._fp8_gemm_into(x, w, residual, accumulate=True)
             return
         # padded rows (block scales): the product lands beside the residual, then is added to it
@@ -144,7 +146,25 @@ class Fp8Ops(CudaCore):
                              f"{w.q.shape} ({'block' if w.block else 'channel'} scales)")
         if not t or not n:
             return
+        if self._gemv_fits(x, k):
+            self._fp8_gemv(x, w, y, accumulate)
+            return
         gemm = self._current_gemm()
         self._lt().linear(cupy.cuda.get_current_stream().ptr, x.q.data.ptr, x.scale.data.ptr, w.q.data.ptr,
                           w.scale.data.ptr, y.data.ptr, t, n, k, w.block, accumulate, gemm.workspace_ptr,
                           gemm.workspace_bytes)
+
+    def _gemv_fits(self, x: Fp8Activation, k: int) -> bool:
+        """gemv.cu takes up to gemv_max_tokens (<= 16) tokens over whole 64-column chunks (128 with
+        block scales, whose groups each chunk must stay inside)."""
+        return 0 < x.rows <= self.gemv_max_tokens and k % (128 if x.group else 64) == 0
+
+    def _fp8_gemv(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
+        n, k = w.q.shape
+        name = "gemv_fp8_8_k" if x.rows <= 8 else "gemv_fp8_16_k"
+        xs_ld = x.scale.shape[-1] if x.group else 0  # group-major block scales: [groups, padded rows]
+        ws_ld = w.scale.shape[1] if w.block else 0
+        args = (x.q, x.scale, _i32(xs_ld), w.q, w.scale, _i32(ws_ld), y, _i32(y.strides[0] // 2),
+                _i32(x.rows), _i32(n), _i32(k), _i32(int(w.block)), _i32(int(accumulate)))
+        # a dependent of the kernel that makes x: the first weights stream while that one ends
+        self._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)

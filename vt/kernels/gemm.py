@@ -1,7 +1,10 @@
 """The projections and the lm_head on cuBLAS (cublas_capture.CublasGemm: each slot's own handle
-and workspace, callable inside a graph capture), and the weight layout they stream fastest."""
+and workspace, callable inside a graph capture), the weight layout they stream fastest, and the
+decode GEMVs (gemv.cu) that take the projections of steps of up to 16 tokens."""
 
 from __future__ import annotations
+
+import os
 
 import cupy
 import numpy as np
@@ -9,13 +12,40 @@ import numpy as np
 from vt.kernels.cublas_capture import CublasGemm
 from vt.kernels.cuda_core import CudaCore, check_rows
 
+KERNELS = {"gemv.cu": ("gemv_bf16_8_k", "gemv_bf16_16_k", "gemv_fp8_8_k", "gemv_fp8_16_k")}
 # Weights with N >= this * K are stored column-major (gemm_layout).
 COLUMN_MAJOR_MIN_ASPECT = 4
+# gemv.cu: a block's weight rows and threads, and the most tokens it takes (two tiles of 8).
+GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, 16
+# Steps of up to this many tokens take the GEMV by default. Measured on an H100 (bench/probes/gemv.py,
+# 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; the two-tile
+# kernel (9-16 tokens, 122 registers, two blocks an SM) loses on fp8 qkv and gate_up.
+GEMV_MAX_TOKENS = 8
 _i32 = np.int32
 
 
+def requested_gemv_max_tokens(value: int | None) -> int:
+    """Steps of up to this many tokens run their projections on gemv.cu (0: never): the argument,
+    or for benchmarks that start vt as a server VT_GEMV_MAX_TOKENS, else GEMV_MAX_TOKENS."""
+    if value is None:
+        text = os.environ.get("VT_GEMV_MAX_TOKENS", "") or str(GEMV_MAX_TOKENS)
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"VT_GEMV_MAX_TOKENS must be an integer, got {text!r}") from None
+    if not 0 <= value <= GEMV_TOKENS_LIMIT:
+        raise ValueError(f"VT_GEMV_MAX_TOKENS: the GEMV takes 0 to {GEMV_TOKENS_LIMIT} tokens, got {value}")
+    return value
+
+
 class GemmOps(CudaCore):
+    gemv_max_tokens: int = GEMV_MAX_TOKENS
+
     def linear(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
+        if self._bf16_gemv_fits(x, w):
+            y = self._out((x.shape[0], w.shape[0]), np.uint16)
+            self._bf16_gemv(x, w, bias, y, accumulate=False)
+            return y
         y = self._gemm(x, w, out_f32=False)
         if bias is not None and y.shape[0]:
             n = y.shape[1]
@@ -32,6 +62,9 @@ class GemmOps(CudaCore):
         check_rows(residual, "linear_residual residual")
         if residual.shape != (x.shape[0], w.shape[0]):
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
+        if self._bf16_gemv_fits(x, w):
+            self._bf16_gemv(x, w, None, residual, accumulate=True)
+            return
         self._gemm(x, w, out_f32=False, accumulate=residual)
 
     def gemm_layout(self, w: cupy.ndarray) -> cupy.ndarray:
@@ -63,3 +96,24 @@ class GemmOps(CudaCore):
     def _current_gemm(self) -> CublasGemm:
         s = self._slot_ctx()
         return self._loose_gemm if s is None else s.gemm
+
+    def _bf16_gemv_fits(self, x: cupy.ndarray, w: cupy.ndarray) -> bool:
+        """gemv.cu streams a row-major weight (a column-major one, gate_up's, stays on cuBLAS,
+        which reads it at its floor already) against 1..gemv_max_tokens rows of 32-column chunks
+        on 16-byte aligned rows."""
+        if x.ndim != 2 or w.ndim != 2 or x.dtype != np.uint16 or w.dtype != np.uint16:
+            return False
+        t, k = x.shape
+        return (0 < t <= self.gemv_max_tokens and k == w.shape[1] and k % 32 == 0 and w.flags.c_contiguous
+                and x.strides[1] == 2 and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
+                and w.data.ptr % 16 == 0)
+
+    def _bf16_gemv(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None, y: cupy.ndarray,
+                   accumulate: bool) -> None:
+        t, k = x.shape
+        n = w.shape[0]
+        name = "gemv_bf16_8_k" if t <= 8 else "gemv_bf16_16_k"
+        args = (x, _i32(x.strides[0] // 2), w, 0 if bias is None else bias, y, _i32(y.strides[0] // 2),
+                _i32(t), _i32(n), _i32(k), _i32(int(accumulate)))
+        # a dependent of the kernel that makes x: the first weights stream while that one ends
+        self._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)

@@ -15,6 +15,7 @@ KERNEL_FILES: dict[str, tuple[str, ...]] = {
     "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu"),
     "sampling.cu": (),
     "fp8.cu": (),
+    "gemv.cu": ("tensor_core.cu",),
 }
 # Kernel files that need an arch-specific target (wgmma: sm_90a), compiled only for such a device.
 ARCH_KERNEL_FILES: dict[str, tuple[str, ...]] = {

@@ -60,3 +60,18 @@ __device__ __forceinline__ unsigned int movmatrix_t(unsigned int a) {
     return d;
 }
 
+
+// c (16x8 f32) += a (16x32 e4m3, row) * b (32x8 e4m3, col): four codes a register, the
+// lower-indexed in the low byte; A regs {a0: (g, 4c..4c+3), a1: (g+8, 4c..), a2: (g, 16+4c..),
+// a3: (g+8, 16+4c..)}, B regs {b0: (k 4c..4c+3, n g), b1: (k 16+4c.., n g)}. sm_89 and later.
+__device__ __forceinline__ void mma_e4m3(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}

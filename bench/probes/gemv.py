@@ -1,0 +1,111 @@
+"""The decode GEMVs (vt/kernels/gemv.cu) against the cuBLAS / cuBLASLt paths they replace, through
+the backend itself, at the projections of one model and 1-16 token rows.
+
+    python3 -m bench.probes.gemv [--preset 8b] [--rows 1,2,4,8,16] [--json out.json]
+
+For each shape, bf16 and fp8 (per-channel scales, as `--quantization fp8` makes them): REPS calls
+in one captured graph, the weight rotating through copies so every call reads it from HBM, median
+of REPLAYS replays; the backend's gemv_max_tokens switches between the two paths. Each line: us a
+call on either path, and the GEMV's weight bytes a second as a share of the card's copy bandwidth
+(measured here with a device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy
+import numpy as np
+
+from bench.probes.gemm_decode import SHAPES
+from vt.kernels import numpy_fp8 as f8
+
+REPS, REPLAYS = 36, 7
+COPY_BYTES = 512 << 20  # weight copies in rotation: together well past the 50-60 MB L2
+
+
+def copy_bandwidth() -> float:
+    a = cupy.empty(1 << 30, dtype=np.uint8)
+    b = cupy.empty_like(a)
+    cupy.cuda.Device().synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        b[...] = a
+        cupy.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best
+
+
+def copy_weight(w):
+    """A bf16 weight array, or an Fp8Weight with its codes copied (the scales are tiny)."""
+    return cupy.copy(w) if isinstance(w, cupy.ndarray) else type(w)(cupy.copy(w.q), w.scale, w.block)
+
+
+def time_graph(cb, fn) -> float:
+    """Seconds a call: fn() makes REPS calls, captured once, replayed REPLAYS times."""
+    graph = cb.capture(0, fn)
+    stream = cb._slots[0].stream
+    times = []
+    for _ in range(REPLAYS):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / REPS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from vt.kernels.cuda_ops import CudaBackend
+
+    cb = CudaBackend(workspace_bytes=256 << 20)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us a call (share of copy bandwidth)")
+    rng = np.random.default_rng(0)
+    results = []
+    for name, (n, k, accumulate) in SHAPES[args.preset].items():
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+        bf = cb.gemm_layout(cb.from_host(w, "act"))
+        q = cb.upload_fp8(*f8.quantize_weight_channel(w))
+        for dtype, one, nbytes in (("bf16", bf, 2 * n * k), ("fp8", q, n * k)):
+            copies = [one] + [copy_weight(one) for _ in range(COPY_BYTES // nbytes)]
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = cb.from_host(rng.standard_normal((rows, k)).astype(np.float32), "act")
+                res = cb.from_host(np.zeros((rows, n), np.float32), "act")
+
+                def calls(copies=copies, x=x, res=res, dtype=dtype, accumulate=accumulate):
+                    xa = cb.quantize_fp8(x, None) if dtype == "fp8" else x
+                    for i in range(REPS):
+                        wi = copies[i % len(copies)]
+                        if dtype == "fp8":
+                            cb.linear_fp8_residual(xa, wi, res) if accumulate else cb.linear_fp8(xa, wi, None)
+                        else:
+                            cb.linear_residual(xa, wi, res) if accumulate else cb.linear(xa, wi, None)
+
+                row = {"shape": name, "dtype": dtype, "rows": rows}
+                for arm, limit in (("gemv", 16), ("blas", 0)):
+                    cb.gemv_max_tokens = limit
+                    row[arm] = time_graph(cb, calls) * 1e6
+                row["gemv_share"] = nbytes / (row["gemv"] / 1e6) / bandwidth
+                row["blas_share"] = nbytes / (row["blas"] / 1e6) / bandwidth
+                results.append(row)
+                print(f"{name:8s} {dtype:4s} rows {rows:2d}: gemv {row['gemv']:7.1f} "
+                      f"({row['gemv_share']:.0%})  cuBLAS {row['blas']:7.1f} ({row['blas_share']:.0%})",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth": bandwidth, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
