@@ -2,17 +2,21 @@
 the backend itself, at the projections of one model and 1-16 token rows.
 
     python3 -m bench.probes.gemv [--preset 8b] [--rows 1,2,4,8,16] [--json out.json]
+    python3 -m bench.probes.gemv --sweep 4x1,8x1,8x2 [--rows 1,8]
 
 For each shape, bf16 and fp8 (per-channel scales, as `--quantization fp8` makes them): REPS calls
 in one captured graph, the weight rotating through copies so every call reads it from HBM, median
 of REPLAYS replays; the backend's gemv_max_tokens switches between the two paths. Each line: us a
 call on either path, and the GEMV's weight bytes a second as a share of the card's copy bandwidth
 (measured here with a device-to-device copy).
+--sweep UxB,... recompiles gemv.cu with GEMV_UNROLL=U and GEMV_MIN_BLOCKS=B for each pair and
+times each build's GEMV (cuBLAS once, beside the first).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -45,6 +49,23 @@ def copy_weight(w):
     return cupy.copy(w) if isinstance(w, cupy.ndarray) else type(w)(cupy.copy(w.q), w.scale, w.block)
 
 
+@functools.cache
+def build(unroll: int, min_blocks: int):
+    from vt.kernels.sources import translation_unit
+
+    return cupy.RawModule(code=translation_unit("gemv.cu"), options=(
+        "-std=c++17", f"-DGEMV_UNROLL={unroll}", f"-DGEMV_MIN_BLOCKS={min_blocks}"))
+
+
+def use_build(cb, unroll: int, min_blocks: int) -> None:
+    """gemv.cu compiled with other constants, its kernels put in place of the backend's."""
+    from vt.kernels.gemm import KERNELS
+
+    module = build(unroll, min_blocks)
+    for name in KERNELS["gemv.cu"]:
+        cb._kernels[name] = module.get_function(name)
+
+
 def time_graph(cb, fn) -> float:
     """Seconds a call: fn() makes REPS calls, captured once, replayed REPLAYS times."""
     graph = cb.capture(0, fn)
@@ -65,6 +86,7 @@ def main() -> None:
     ap.add_argument("--preset", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--json")
+    ap.add_argument("--sweep", default="", help="GEMV_UNROLL x GEMV_MIN_BLOCKS builds, e.g. 4x1,8x1")
     args = ap.parse_args()
     from vt.kernels.cuda_ops import CudaBackend
 
@@ -72,6 +94,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us a call (share of copy bandwidth)")
     rng = np.random.default_rng(0)
+    builds = [tuple(int(v) for v in b.split("x")) for b in args.sweep.split(",") if b] or [None]
     results = []
     for name, (n, k, accumulate) in SHAPES[args.preset].items():
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
@@ -93,15 +116,18 @@ def main() -> None:
                             cb.linear_residual(xa, wi, res) if accumulate else cb.linear(xa, wi, None)
 
                 row = {"shape": name, "dtype": dtype, "rows": rows}
-                for arm, limit in (("gemv", 16), ("blas", 0)):
-                    cb.gemv_max_tokens = limit
-                    row[arm] = time_graph(cb, calls) * 1e6
-                row["gemv_share"] = nbytes / (row["gemv"] / 1e6) / bandwidth
-                row["blas_share"] = nbytes / (row["blas"] / 1e6) / bandwidth
+                cb.gemv_max_tokens = 0
+                row["blas"] = time_graph(cb, calls) * 1e6
+                cb.gemv_max_tokens = 16
+                line = f"{name:8s} {dtype:4s} rows {rows:2d}: cuBLAS {row['blas']:6.1f}"
+                for build in builds:
+                    if build:
+                        use_build(cb, *build)
+                    key = "gemv" if not build else f"gemv_u{build[0]}b{build[1]}"
+                    row[key] = time_graph(cb, calls) * 1e6
+                    line += f"  {key} {row[key]:6.1f} ({nbytes / (row[key] / 1e6) / bandwidth:.0%})"
                 results.append(row)
-                print(f"{name:8s} {dtype:4s} rows {rows:2d}: gemv {row['gemv']:7.1f} "
-                      f"({row['gemv_share']:.0%})  cuBLAS {row['blas']:7.1f} ({row['blas_share']:.0%})",
-                      flush=True)
+                print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth": bandwidth, "results": results}, f, indent=1)

@@ -16,8 +16,15 @@
 // joins the running sum in f32 (as the numpy twins' f32 sums do).
 
 #define GEMV_WARPS 8
-#define GEMV_UNROLL 4
 #define GEMV_ROWS 16
+// Chunks a warp loads before it computes, and the blocks an SM should hold (registers permitting);
+// bench/probes/gemv.py --sweep compiles other values.
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 4
+#endif
+#ifndef GEMV_MIN_BLOCKS
+#define GEMV_MIN_BLOCKS 1
+#endif
 
 struct GemvScales {  // fp8 only; all null for bf16
     const float* xs;
@@ -114,7 +121,7 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
 // Grid: ceil(n / 16) blocks of 256 threads; *8_k take up to 8 tokens, *16_k up to 16.
 // fp8: xq e4m3 [tokens, k] (row stride k), wq e4m3 [n, k]; k a multiple of 64 (128 with block).
 #define GEMV_FP8_ENTRY(NAME, TILES)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS) NAME(                  \
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
         bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
@@ -127,7 +134,7 @@ GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
 // bf16: x [tokens, k] (row stride ldx elements, 16-byte aligned rows), w [n, k] row-major; k a
 // multiple of 32; bias [n] or null.
 #define GEMV_BF16_ENTRY(NAME, TILES)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS) NAME(                  \
         const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                               \
         const bf16_t* __restrict__ bias, bf16_t* __restrict__ y, int ldy, int tokens, int n, int k,        \
         int accumulate) {                                                                                  \
