@@ -28,7 +28,8 @@ from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
 from vt.kernels.sources import KERNEL_FILES, translation_unit
 
-_DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
+_DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
+           "fp8": np.uint8}  # fp8: e4m3 codes as their bytes (an fp8 KV cache)
 
 
 def bf16_bits(host: np.ndarray) -> np.ndarray:
