@@ -43,6 +43,18 @@ def bf16_bits(host: np.ndarray) -> np.ndarray:
     raise TypeError(f"cannot upload dtype {host.dtype} as bf16; expected float32, float16 or bfloat16")
 
 
+def is_fp8_cache(cache: cupy.ndarray) -> bool:
+    """A KV cache of e4m3 codes (zeros(..., "fp8"): bytes) rather than bf16 bits."""
+    return cache.dtype == np.uint8
+
+
+def kv_cache_args(cache: cupy.ndarray, kv_scales: tuple[float, float]) -> tuple[Any, Any, Any]:
+    """The KV write kernels' last arguments: k_scale, v_scale and whether the cache is fp8 (the
+    scales are kernel scalars: fixed per layer at load, so a captured graph holds them)."""
+    fp8 = is_fp8_cache(cache)
+    return np.float32(kv_scales[0] if fp8 else 1.0), np.float32(kv_scales[1] if fp8 else 1.0), np.int32(fp8)
+
+
 def token_stride(x: cupy.ndarray, name: str) -> int:
     """Element stride of dim 0 for x[T, N, D] whose inner two dims are contiguous bf16."""
     if x.ndim != 3 or x.dtype != np.uint16:
