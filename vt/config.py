@@ -89,9 +89,27 @@ class EngineConfig:
     # the rest; 0: one mixed step.
     split_decode_sms: int | None = None
     quantization: str | None = None       # --quantization: fp8 weights (vt.model.quantization)
-    kv_cache_dtype: str = "auto"          # --kv-cache-dtype: auto (the model's dtype) | fp8
+    kv_cache_dtype: str = "auto"          # --kv-cache-dtype: auto (the model's dtype) | fp8 (e4m3)
     tokenizer: str | None = None          # --tokenizer: the tokenizer's folder (None: the model's)
     runner: str = "auto"                  # --runner: generate | pooling (embeddings) | auto: by checkpoint
+
+    def __post_init__(self) -> None:
+        # fp8_e4m3 is vLLM's other name for fp8; the engine speaks of one.
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_of(self.kv_cache_dtype))
+
+
+# --kv-cache-dtype values served, under vLLM's names: the model's dtype, or e4m3 codes with a
+# per-tensor scale per layer (vLLM's fp8 KV cache).
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def kv_cache_dtype_of(name: str) -> str:
+    """"auto" or "fp8" for a --kv-cache-dtype value; ValueError naming the ones served otherwise."""
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        why = ("vt's fp8 KV cache is e4m3" if name.startswith("fp8") else "not a KV cache dtype vt knows")
+        raise ValueError(f"--kv-cache-dtype {name}: {why}; use one of {', '.join(KV_CACHE_DTYPES)}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 _TC_ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                ctypes.c_int]
+                ctypes.c_int, ctypes.c_float]
 _LAUNCH_ARGTYPES = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
 
 
@@ -84,14 +84,17 @@ _SCALAR = """
                               const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache, \\
                               const int* qsl, const int* seq_lens, const int* block_tables, int max_blocks, \\
                               bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, \\
-                              int d, int block_size, float scale_log2, int num_splits) {                \\
+                              int d, int block_size, float scale_log2, int num_splits, float v_scale) { \\
         return sim::launch(gx, gy, gz, threads, smem, [&] {                                          \\
             NAME(q, q_stride, k_cache, v_cache, qsl, seq_lens, block_tables, max_blocks, out, part_o,  \\
-                 part_ml, total_tokens, hq, hk, d, block_size, scale_log2, num_splits); });          \\
+                 part_ml, total_tokens, hq, hk, d, block_size, scale_log2, num_splits, v_scale); }); \\
     }
 SIM_SCALAR_ATTENTION(attention_r1)
 SIM_SCALAR_ATTENTION(attention_r2)
 SIM_SCALAR_ATTENTION(attention_r4)
+SIM_SCALAR_ATTENTION(attention_r1_kv8)
+SIM_SCALAR_ATTENTION(attention_r2_kv8)
+SIM_SCALAR_ATTENTION(attention_r4_kv8)
 """
 
 _COMBINE = """
@@ -113,9 +116,14 @@ _ELEMENT_KERNELS = {
         "bf16_t* q, int q_stride, bf16_t* k, int k_stride, bf16_t* v, int v_stride, const bf16_t* q_norm, "
         "const bf16_t* k_norm, float eps, const int* positions, const float* inv_freq, bf16_t* k_cache, "
         "bf16_t* v_cache, const int* slot_mapping, long long num_slots, int tokens, int hq, int hk, int d, "
-        "const bf16_t* rms_of, int rms_width, const bf16_t* bias",
+        "const bf16_t* rms_of, int rms_width, const bf16_t* bias, float k_scale, float v_scale, int kv8",
         "q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache, "
-        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias"),
+        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale, kv8"),
+    "write_kv_k": (
+        "const bf16_t* k, int k_stride, const bf16_t* v, int v_stride, bf16_t* k_cache, bf16_t* v_cache, "
+        "const int* slot_mapping, int row_elems, long long num_slots, float k_scale, float v_scale, int kv8",
+        "k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, row_elems, num_slots, k_scale, v_scale, "
+        "kv8"),
 }
 
 
@@ -184,12 +192,13 @@ class SimAttention:
     def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
                seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
-               late: bool = False, order: int = 0) -> np.ndarray:
+               late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
         """late: asynchronous copies and wgmma products land only at the waits that guarantee
         them (a read before its wait sees stale data); otherwise at issue (a buffer refilled
         while still read shows). order: which thread runs when one blocks (sim_runtime.h: 0
         round-robin, 1 lowest first, 2 highest first, 3+ seeded random); a barrier missing
-        between warps shows in the orders that let one run ahead."""
+        between warps shows in the orders that let one run ahead. kv_scales: an fp8 cache's
+        (k_scale, v_scale), passed as cuda_ops passes them (k_scale in the score scale)."""
         t, hq, d = q.shape
         _, bs, hk, _ = k_cache.shape
         out = np.zeros((t, hq, d), np.uint16)
@@ -204,7 +213,8 @@ class SimAttention:
         head = (d,) if scalar else ()
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
-                _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e), splits)
+                _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e) * kv_scales[0], splits,
+                kv_scales[1])
         if rc == 2:
             raise ValueError(f"{kernel}: a block wrote past the {smem} bytes of shared memory it was "
                              "launched with")

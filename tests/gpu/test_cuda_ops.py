@@ -9,6 +9,7 @@ import pytest
 
 from vt.kernels import numpy_sampling
 from vt.kernels.attention_plan import PREFILL_TILINGS
+from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
 pytestmark = pytest.mark.gpu
@@ -1117,3 +1118,107 @@ def test_two_part_capture_takes_a_mask_between_its_parts(cb, rng):
         np.testing.assert_array_equal(got, want)
         allowed = (bits.view(np.uint32)[np.arange(t), got // 32] >> (got % 32).astype(np.uint32)) & 1
         assert allowed.all()
+
+
+# ---- an fp8 (e4m3) KV cache (--kv-cache-dtype fp8): the KV write's codes bit for bit against the
+# numpy twin, attention (scalar, tensor-core decode, every prompt tiling, split keys) within bf16
+# tolerances.
+FP8_SCALES = (0.025, 0.04)
+
+
+def _codes_on(cb, codes: np.ndarray):
+    """An e4m3 cache on the device as its bytes (what zeros(..., "fp8") allocates)."""
+    return cb.from_host(codes.view(np.uint8), "u8")
+
+
+def test_write_kv_stores_the_twins_codes(cb, nb, rng):
+    t, hk, d, blocks, bs = 9, 4, 128, 6, 16
+    k, v = bf16(rng.standard_normal((t, hk, d)) * 30), bf16(rng.standard_normal((t, hk, d)))
+    slots = np.array([3, -1, 40, 0, 95, 17, -5, 64, 2], np.int32)
+    kc, vc = nb.zeros((blocks, bs, hk, d), "fp8"), nb.zeros((blocks, bs, hk, d), "fp8")
+    nb.write_kv(k, v, kc, vc, slots, kv_scales=(0.05, 0.01))
+    dk, dv = cb.zeros((blocks, bs, hk, d), "fp8"), cb.zeros((blocks, bs, hk, d), "fp8")
+    with cb.slot(0):
+        cb.write_kv(act(cb, k), act(cb, v), dk, dv, cb.from_host(slots, "i32"), kv_scales=(0.05, 0.01))
+    assert (cb.to_host(dk) == kc.view(np.uint8)).all() and (cb.to_host(dv) == vc.view(np.uint8)).all()
+
+
+@pytest.mark.parametrize("d,with_norm", [(128, True), (64, False), (128, False)])
+def test_fused_prologue_quantizes_what_it_writes(cb, nb, rng, d, with_norm):
+    """The fused prologue into an fp8 cache stores e4m3(k / k_scale), e4m3(v / v_scale) of the
+    bf16 k and v it leaves in place."""
+    t, hq, hk, blocks, bs = 7, 8, 2, 4, 16
+    q, k, v = (bf16(rng.standard_normal((t, h, d)) * 3) for h in (hq, hk, hk))
+    norms = [bf16(1 + 0.1 * rng.standard_normal(d)) for _ in range(2)] if with_norm else [None, None]
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    pos = rng.integers(0, 2000, t).astype(np.int32)
+    slots = np.array([5, 0, -1, 63, 20, 21, 2], np.int32)
+    dq, dk, dv = act(cb, q), act(cb, k), act(cb, v)
+    kc, vc = cb.zeros((blocks, bs, hk, d), "fp8"), cb.zeros((blocks, bs, hk, d), "fp8")
+    with cb.slot(0):
+        cb.qk_norm_rope_write_kv(dq, dk, dv, *(None if n is None else act(cb, n) for n in norms), 1e-6,
+                                 cb.from_host(pos, "i32"), cb.from_host(inv_freq, "f32"), kc, vc,
+                                 cb.from_host(slots, "i32"), kv_scales=(0.01, 0.05))
+        k_out, v_out = cb.to_host(dk), cb.to_host(dv)
+    want_k, want_v = nb.zeros(kc.shape, "fp8"), nb.zeros(vc.shape, "fp8")
+    nb.write_kv(k_out, v_out, want_k, want_v, slots, kv_scales=(0.01, 0.05))
+    assert (cb.to_host(kc) == want_k.view(np.uint8)).all()
+    assert (cb.to_host(vc) == want_v.view(np.uint8)).all()
+
+
+def _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d):
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
+    return q, to_e4m3(kc * 40), to_e4m3(vc * 40), qsl, seq_lens, table
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d",
+    [
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128),  # prefill, decode, chunked prefill
+        ([1] * 6, [3000, 17, 1, 513, 64, 2048], 16, 8, 128),  # decode with split keys
+        ([1] * 5, [1, 15, 16, 17, 2500], 64, 8, 128),  # group 8: the transposed decode tiles
+        ([4, 1, 2], [30, 100, 70], 16, 4, 128),  # 16-row decode tiles
+        ([70, 33], [70, 100], 4, 4, 64),  # head dim 64
+        ([3, 2], [20, 9], 8, 1, 256),  # head dim 256: the CUDA-core kernels
+        ([1, 1, 1], [40, 700, 33], 8, 4, 96),  # head dim 96 decode
+        ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # many row and key tiles
+    ],
+)
+def test_attention_reads_fp8_codes_times_scale(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
+    q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d)
+    scale = d**-0.5
+    args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
+    ref = nb.attention(q, kc, vc, *args, kv_scales=FP8_SCALES)
+    poison(cb)
+    with cb.slot(0):
+        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+        out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max(q_lens),
+                           max(ctx_lens), kv_scales=FP8_SCALES)
+        got = cb.to_host(out)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d", [
+    ([2048], [2048], 32, 8, 128),  # one long prompt
+    ([64, 200], [3000, 200], 32, 8, 128),  # split keys
+    ([37, 5], [900, 5], 16, 2, 64),  # head dim 64, group 8
+])
+def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d):
+    """Every requested tiling serves an fp8 cache: its own _kv8 kernels, or (wgmma's) the fallback's."""
+    q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d)
+    scale = d**-0.5
+    ref = nb.attention(q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens),
+                       kv_scales=FP8_SCALES)
+    previous = cb.prefill_tiling
+    try:
+        cb.use_prefill_tiling(tiling, strict=False)
+        with cb.slot(0):
+            dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+            out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max(q_lens),
+                               max(ctx_lens), kv_scales=FP8_SCALES)
+            got = cb.to_host(out)
+    finally:
+        cb.use_prefill_tiling(previous)
+    assert rel_err(got, ref) < BF16_TOL
+

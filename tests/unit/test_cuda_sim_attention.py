@@ -18,6 +18,7 @@ from vt.kernels.attention_plan import (
     PREFILL_TILINGS,
     attention_kernel,
 )
+from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -63,15 +64,22 @@ def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFILL_TILING, bs=16, late=True,
-           order=0):
+           order=0, kv_scales=None):
+    """kv_scales: an fp8 cache (e4m3 codes spanning the format's range) read with these scales."""
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
     scale = d**-0.5
-    ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
-                                   max(q_lens), max(ctx_lens))
-    plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling)
+    if kv_scales is not None:
+        kc, vc = (to_e4m3(_float(c) * 40) for c in (kc, vc))
+        ref = NumpyBackend().attention(_float(q), kc, vc, qsl, seq_lens, table, scale, max(q_lens),
+                                       max(ctx_lens), kv_scales=kv_scales)
+        kc, vc = kc.view(np.uint8), vc.view(np.uint8)
+    else:
+        ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale,
+                                       max(q_lens), max(ctx_lens))
+    plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling, kv8=kv_scales is not None)
     grid = (plan.row_tiles, hk, len(q_lens) * splits)
     out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits,
-                     late=late, order=order)
+                     late=late, order=order, kv_scales=kv_scales or (1.0, 1.0))
     assert _rel_err(_float(out), ref) < BF16_TOL, plan.name
     return plan.name
 
@@ -203,3 +211,51 @@ def test_a_plan_short_of_shared_memory_fails_the_launch(sim, tiling):
     with pytest.raises(ValueError, match="wrote past"):
         sim.launch(plan.name, (plan.row_tiles, 2, 1), plan.threads, plan.smem - 4096, q, kc, vc, qsl,
                    seq_lens, table, 128**-0.5, 1)
+
+
+# ---- an fp8 (e4m3) KV cache: the _kv8 kernels ----------------------------------------------------
+KV8_SCALES = (0.025, 0.04)  # keys and values of about unit size from codes spanning e4m3's range
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,hq,hk,d,kernel",
+    [
+        ([1] * 4, [1, 15, 17, 150], 64, 8, 128, "decode8"),  # group 8 decode: the transposed tiles
+        ([3, 4, 1, 2], [40, 130, 77, 2], 4, 2, 128, "decode8"),  # several tokens a tile, causal
+        ([1, 1, 1], [64, 65, 130], 16, 1, 64, "decode"),  # group 16, keys on and past tile edges
+        ([4, 1, 2], [30, 100, 70], 16, 4, 128, "decode"),  # 16-row tiles
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128, "prefill_kv8"),  # prompt, decode, chunk: r64
+        ([70, 33], [70, 100], 4, 4, 64, "prefill_kv8"),  # head dim 64, multi-tile prompt
+    ],
+)
+@pytest.mark.parametrize("late", [True, False], ids=["late", "early"])
+def test_fp8_kv_tensor_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, kernel, late):
+    """The _kv8 kernels read e4m3 codes as code * scale, the numpy twin's fp8 cache: the codes
+    widen to bf16 exactly, so the bf16 cache's tolerance holds. The default prompt tiling (wgmma)
+    has no fp8 kernels: prompts take the fallback's."""
+    rng = np.random.default_rng(len(q_lens) * 100 + sum(ctx_lens))
+    name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, late=late, kv_scales=KV8_SCALES)
+    assert name.endswith("_" + kernel + ("" if kernel.endswith("_kv8") else "_kv8")), name
+
+
+@pytest.mark.parametrize("tiling", sorted(t for t, p in PREFILL_TILINGS.items() if p.kv8_smem is not None))
+@pytest.mark.parametrize("order", [0, 1, 2], ids=["round-robin", "low-first", "high-first"])
+def test_fp8_kv_prefill_tilings_match_numpy(sim, tiling, order):
+    """Every tiling with fp8 kernels, over many key tiles (each fp8 stage refilled several times)
+    with warps switched so one runs ahead: a missing barrier around the conversion shows."""
+    name = _check(sim, np.random.default_rng(19), [150, 1, 40], [400, 200, 230], 8, 2, 128, tiling=tiling,
+                  order=order, kv_scales=KV8_SCALES)
+    assert name == PREFILL_TILINGS[tiling].kernel.format(d=128) + "_kv8"
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d,splits", [
+    ([1, 1], [300, 200], 8, 2, 128, 3),  # decode tiles, uneven key slices: v_scale on the partials
+    ([40, 1], [250, 90], 8, 2, 64, 2),  # prompt tiles with split keys
+    ([1, 1, 1], [40, 70, 33], 8, 4, 96, 1),  # head dim 96: attention_r1_kv8
+    ([3, 2], [20, 9], 8, 1, 256, 1),  # head dim 256, MQA: attention_r4_kv8
+    ([1, 1], [300, 130], 16, 2, 256, 3),  # attention_r2_kv8 with split keys
+])
+def test_fp8_kv_split_keys_and_cuda_cores_match_numpy(sim, q_lens, ctx_lens, hq, hk, d, splits):
+    name = _check(sim, np.random.default_rng(d + splits), q_lens, ctx_lens, hq, hk, d, splits=splits,
+                  kv_scales=KV8_SCALES)
+    assert name.endswith("_kv8")

@@ -29,7 +29,9 @@ def lib():
     lib.sim_silu_mul_k.argtypes = _LAUNCH + [_P, _P, _I, _I, _P, _I, ctypes.c_float]
     lib.sim_qk_norm_rope_write_kv_k.argtypes = _LAUNCH + [
         _P, _I, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_longlong, _I, _I, _I, _I,
-        _P, _I, _P]
+        _P, _I, _P, ctypes.c_float, ctypes.c_float, _I]
+    lib.sim_write_kv_k.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_longlong,
+                                             ctypes.c_float, ctypes.c_float, _I]
     return lib
 
 
@@ -114,7 +116,7 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
         parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
         width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
         _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
-        _ptr(bias))
+        _ptr(bias), 1.0, 1.0, 0)
     assert rc == 0
     got = _float(qkv)
     assert _rel(got[:, : hq * d].reshape(t, hq, d), q) < BF16_TOL
@@ -122,3 +124,69 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
     assert _rel(_float(k_cache), kc) < BF16_TOL
     assert _rel(_float(v_cache), vc) < BF16_TOL
     assert not _float(k_cache).reshape(nb * bs, hk, d)[[s for s in range(nb * bs) if s not in slots]].any()
+
+
+def _codes(x: np.ndarray, scale: float) -> np.ndarray:
+    """The e4m3 bytes numpy's fp8 KV cache stores for float32 x and a scale."""
+    from vt.kernels.numpy_fp8 import to_e4m3
+
+    return to_e4m3(np.asarray(x, np.float32) / np.float32(scale)).view(np.uint8)
+
+
+@pytest.mark.parametrize(("hq", "hk", "d", "parts", "token_blocks"), [(4, 2, 128, 1, 5), (8, 2, 64, 2, 3)])
+@pytest.mark.parametrize("prescale", [False, True])
+def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale):
+    """Into an fp8 cache the prologue stores e4m3(k / k_scale) and e4m3(v / v_scale) of the bf16
+    k and v it leaves (bit for bit the numpy twin's write_kv of those values), and q, k are as
+    with a bf16 cache."""
+    rng = np.random.default_rng(hq * d + parts + prescale + 7)
+    t, nb, bs, eps, scales = 5, 4, 4, 1e-6, (0.004, 0.5)  # normed k reaches past 448 * 0.004
+    width = (hq + 2 * hk) * d
+    qkv = _bits(rng.standard_normal((t, width)) * 4)
+    q_norm, k_norm = _bits(1 + 0.1 * rng.standard_normal(d)), _bits(1 + 0.1 * rng.standard_normal(d))
+    positions = rng.integers(0, 500, t).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    slots = np.array([3, 7, -1, 12, 0], np.int32)
+    rms_of = _bits(rng.standard_normal((t, 64))) if prescale else None
+    bias = _bits(0.1 * rng.standard_normal(width)) if prescale else None
+    k_cache = np.zeros((nb, bs, hk, d), np.uint8)
+    v_cache = np.zeros_like(k_cache)
+    plain = qkv.copy()
+    rc = lib.sim_qk_norm_rope_write_kv_k(
+        parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
+        width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
+        _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
+        _ptr(bias), scales[0], scales[1], 1)
+    assert rc == 0
+    got = _float(qkv)
+    k_out = got[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
+    v_out = got[:, (hq + hk) * d :].reshape(t, hk, d)
+    keep = slots >= 0
+    assert (k_cache.reshape(nb * bs, hk, d)[slots[keep]] == _codes(k_out[keep], scales[0])).all()
+    assert (v_cache.reshape(nb * bs, hk, d)[slots[keep]] == _codes(v_out[keep], scales[1])).all()
+    assert np.isin(k_cache, (0x7e, 0xfe)).any()  # +-448: saturated codes
+    others = [s for s in range(nb * bs) if s not in slots]
+    assert not k_cache.reshape(nb * bs, hk, d)[others].any()
+    # q and k are what the bf16 cache's launch leaves
+    bf_cache, bf_v = np.zeros((nb, bs, hk, d), np.uint16), np.zeros((nb, bs, hk, d), np.uint16)
+    rc = lib.sim_qk_norm_rope_write_kv_k(
+        parts, token_blocks, 1, 256, 0, _ptr(plain), width, _ptr(plain, hq * d), width,
+        _ptr(plain, (hq + hk) * d), width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq),
+        _ptr(bf_cache), _ptr(bf_v), _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of),
+        0 if rms_of is None else rms_of.shape[1], _ptr(bias), 1.0, 1.0, 0)
+    assert rc == 0 and (plain == qkv).all()
+
+
+def test_write_kv_writes_fp8_codes(lib):
+    rng = np.random.default_rng(11)
+    t, hk, d, nb, bs, scales = 4, 2, 64, 3, 4, (0.25, 0.01)
+    k, v = _bits(rng.standard_normal((t, hk * d)) * 30), _bits(rng.standard_normal((t, hk * d)))
+    k_cache, v_cache = np.zeros((nb, bs, hk, d), np.uint8), np.zeros((nb, bs, hk, d), np.uint8)
+    slots = np.array([5, -1, 0, 11], np.int32)
+    rc = lib.sim_write_kv_k(t, 1, 1, 128, 0, _ptr(k), hk * d, _ptr(v), hk * d, _ptr(k_cache), _ptr(v_cache),
+                            _ptr(slots), hk * d, nb * bs, scales[0], scales[1], 1)
+    assert rc == 0
+    ops = NumpyBackend()
+    kc, vc = ops.zeros((nb, bs, hk, d), "fp8"), ops.zeros((nb, bs, hk, d), "fp8")
+    ops.write_kv(_float(k).reshape(t, hk, d), _float(v).reshape(t, hk, d), kc, vc, slots, kv_scales=scales)
+    assert (k_cache == kc.view(np.uint8)).all() and (v_cache == vc.view(np.uint8)).all()

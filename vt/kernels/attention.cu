@@ -13,17 +13,33 @@
 //
 // Shared memory (dynamic): V tile [32][d/2] words, Q rows [4R][d/2] float2, K tile [32][d/2 + 1]
 // words (the pad word makes lane l's row start in bank l, so the score loop is conflict free).
+// KV8 (the _kv8 kernels): the caches hold e4m3 codes, 8 an 8-byte load, converted exactly to bf16
+// as they are staged; k_scale is in scale_log2 (the host folds it in) and v_scale multiplies the
+// output (and the split partials, which attention_combine_k only weighs and sums).
+
+// Eight cached elements of a K or V row from element `at`: 16 bytes of bf16, or 8 e4m3 codes
+// widened to the same four bf16 pair words.
+template <bool KV8>
+__device__ __forceinline__ uint4 load_kv8(const bf16_t* cache, size_t at) {
+    if constexpr (KV8) {
+        const uint2 w = *reinterpret_cast<const uint2*>(reinterpret_cast<const unsigned char*>(cache) + at);
+        const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
+        return make_uint4(a.x, a.y, b.x, b.y);
+    } else {
+        return *reinterpret_cast<const uint4*>(cache + at);
+    }
+}
 
 #define KT 32
 #define MAXP 4  // head dim up to 256
 
-template <int R>
+template <int R, bool KV8>
 __device__ __forceinline__ void attention_body(
     const bf16_t* __restrict__ q, int q_stride, const bf16_t* __restrict__ k_cache,
     const bf16_t* __restrict__ v_cache, const int* __restrict__ query_start_loc,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-    int total_tokens, int hq, int hk, int d, int block_size, float scale_log2, int num_splits) {
+    int total_tokens, int hq, int hk, int d, int block_size, float scale_log2, int num_splits, float v_scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int half = d / 2;
     unsigned int* vs = reinterpret_cast<unsigned int*>(smem);
@@ -71,8 +87,8 @@ __device__ __forceinline__ void attention_body(
             if (kpos < kv_end) {
                 const int blk = block_tables[(size_t)b * max_blocks + kpos / block_size];
                 const size_t base = (((size_t)blk * block_size + kpos % block_size) * hk + kh) * d + part * 8;
-                kv = *reinterpret_cast<const uint4*>(k_cache + base);
-                vv = *reinterpret_cast<const uint4*>(v_cache + base);
+                kv = load_kv8<KV8>(k_cache, base);
+                vv = load_kv8<KV8>(v_cache, base);
             }
             unsigned int* kr = ks + tok * (half + 1) + part * 4;
             kr[0] = kv.x; kr[1] = kv.y; kr[2] = kv.z; kr[3] = kv.w;
@@ -123,7 +139,7 @@ __device__ __forceinline__ void attention_body(
         const int r = row0 + warp * R + rr;
         const int t = q0 + r / group, h = kh * group + r % group;
         if (num_splits == 1) {
-            const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+            const float inv = l[rr] > 0.f ? v_scale / l[rr] : 0.f;
             unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * d);
 #pragma unroll
             for (int i = 0; i < MAXP; ++i) {
@@ -136,27 +152,30 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
             for (int i = 0; i < MAXP; ++i) {
                 const int p = lane + 32 * i;
-                if (p < half) po[p] = make_float2(o_lo[rr][i], o_hi[rr][i]);
+                if (p < half) po[p] = make_float2(o_lo[rr][i] * v_scale, o_hi[rr][i] * v_scale);
             }
             if (lane == 0) { part_ml[prow * 2] = m[rr]; part_ml[prow * 2 + 1] = l[rr]; }
         }
     }
 }
 
-#define ATTENTION_ENTRY(NAME, R)                                                                          \
+#define ATTENTION_ENTRY(NAME, R, KV8)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
         const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
         bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int d,             \
-        int block_size, float scale_log2, int num_splits) {                                              \
-        attention_body<R>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,        \
-                          max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,         \
-                          scale_log2, num_splits);                                                       \
+        int block_size, float scale_log2, int num_splits, float v_scale) {                               \
+        attention_body<R, KV8>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,   \
+                               max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,    \
+                               scale_log2, num_splits, v_scale);                                         \
     }
 
-ATTENTION_ENTRY(attention_r1, 1)
-ATTENTION_ENTRY(attention_r2, 2)
-ATTENTION_ENTRY(attention_r4, 4)
+ATTENTION_ENTRY(attention_r1, 1, false)
+ATTENTION_ENTRY(attention_r2, 2, false)
+ATTENTION_ENTRY(attention_r4, 4, false)
+ATTENTION_ENTRY(attention_r1_kv8, 1, true)
+ATTENTION_ENTRY(attention_r2_kv8, 2, true)
+ATTENTION_ENTRY(attention_r4_kv8, 4, true)
 
 // Merge split partials of every (token, head) row: one block of 64 threads per row.
 // Rows no split wrote (padding tokens) are left alone by checking the coverage mask.

@@ -14,6 +14,7 @@ from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import (
     DEFAULT_PREFILL_TILING,
     FALLBACK_PREFILL_TILING,
+    KV8_SUFFIX,
     MAX_KEY_SPLITS,
     PREFILL_TILINGS,
     TC_HEAD_DIMS,
@@ -22,19 +23,23 @@ from vt.kernels.attention_plan import (
     key_splits,
     max_splits_within,
 )
-from vt.kernels.cuda_core import CudaCore, compile_cubin, token_stride
+from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, token_stride
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
+# Each kernel and its twin reading an fp8 (e4m3) KV cache (KV8_SUFFIX).
 _TC_KERNELS = (
-    *(f"attention_tc_d{d}_{kind}" for d in TC_HEAD_DIMS for kind in ("decode", "decode8")),
-    *(k for t in PREFILL_TILINGS.values() if not t.sm90_only for k in t.kernels()),
+    *(f"attention_tc_d{d}_{kind}{s}" for d in TC_HEAD_DIMS for kind in ("decode", "decode8")
+      for s in ("", KV8_SUFFIX)),
+    *(k for t in PREFILL_TILINGS.values() if not t.sm90_only for kv8 in (False, True)
+      for k in t.kernels(kv8)),
 )
+_SCALAR_KERNELS = tuple(f"attention_r{r}{s}" for r in (1, 2, 4) for s in ("", KV8_SUFFIX))
 # The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
 KERNELS = {
-    "attention.cu": ("attention_r1", "attention_r2", "attention_r4", "attention_combine_k"),
+    "attention.cu": (*_SCALAR_KERNELS, "attention_combine_k"),
     "attention_tc.cu": _TC_KERNELS,
 }
-_LARGE_SMEM_KERNELS = ("attention_r1", "attention_r2", "attention_r4", *_TC_KERNELS)
+_LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS)
 _ATTN_SMEM_MAX = 200 * 1024
 _SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
 _LOG2E = 1.4426950408889634
@@ -133,16 +138,20 @@ class AttentionOps(CudaCore):
         out: cupy.ndarray | None = None,
         decode_seqs: int = 0,
         follows_kv_write: bool = False,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> cupy.ndarray:
         """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
         the real values (capture with the largest ones the graph will serve). out, if given, is
         a contiguous act[T, Hq, D] the result goes into. follows_kv_write: the kernel launched
         right before on this stream wrote only q and this step's K/V (qk_norm_rope_write_kv):
-        the tensor-core kernels then start while it runs, on the block tables and older keys."""
+        the tensor-core kernels then start while it runs, on the block tables and older keys.
+        An fp8 cache (uint8 codes) runs the _kv8 kernels: k_scale folded into the score scale,
+        v_scale a kernel scalar multiplying the output."""
         qst = token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
-        if dc != d or hq % hk or d % 8 or d > 256:
+        kv8 = is_fp8_cache(k_cache)
+        if dc != d or hq % hk or d % 8 or d > 256 or is_fp8_cache(v_cache) != kv8:
             raise ValueError(
                 f"attention: q {q.shape} vs cache {k_cache.shape} (head dim multiple of 8, <= 256)"
             )
@@ -163,17 +172,20 @@ class AttentionOps(CudaCore):
             d_ = decode_seqs
             self.attention(q[:d_], k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_],
                            block_tables[:d_], scale, 1, max_seq_len, out[:d_],
-                           follows_kv_write=follows_kv_write)
+                           follows_kv_write=follows_kv_write, kv_scales=kv_scales)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
-                                  scale, max_query_len, max_seq_len, out)
-        plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling)
+                                  scale, max_query_len, max_seq_len, out, kv_scales=kv_scales)
+        plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
+                                kv8=kv8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
         splits, part_o, part_ml = self._key_split_partials(kernel, smem, threads, row_tiles * hk * b,
                                                            max_seq_len, t, hq, d)
-        scale_log2 = _f32(scale * _LOG2E)
+        # An fp8 cache reads code * scale: k_scale scales every score, v_scale the output.
+        k_scale, v_scale = kv_scales if kv8 else (1.0, 1.0)
+        scale_log2 = _f32(scale * _LOG2E * k_scale)
         common = (q, _i32(qst), k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                   _i32(block_tables.shape[1]), out, part_o, part_ml, _i32(t), _i32(hq), _i32(hk))
-        tail = (_i32(bs), scale_log2, _i32(splits))
+        tail = (_i32(bs), scale_log2, _i32(splits), _f32(v_scale))
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
         launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)

@@ -3,15 +3,17 @@
 // mma.m16n8 fragments.
 
 // The kernels' parameters (one contract for every tiling; cuda_ops passes them in this order).
+// v_scale multiplies the output (1 for a bf16 cache; an fp8 cache's v_scale, its k_scale being
+// folded into scale_log2 by the host).
 #define ATTN_TC_PARAMS                                                                                   \
     const bf16_t *__restrict__ q, int q_stride, const bf16_t *__restrict__ k_cache,                     \
         const bf16_t *__restrict__ v_cache, const int *__restrict__ query_start_loc,                    \
         const int *__restrict__ seq_lens, const int *__restrict__ block_tables, int max_blocks,         \
         bf16_t *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,              \
-        int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits
+        int total_tokens, int hq, int hk, int block_size, float scale_log2, int num_splits, float v_scale
 #define ATTN_TC_ARGS                                                                                     \
     q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks, out, part_o,    \
-        part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits
+        part_ml, total_tokens, hq, hk, block_size, scale_log2, num_splits, v_scale
 
 // The A fragments of Q for rows ra (this thread's g) and rb (g + 8) of a 16-row m-tile, read
 // from global memory: qa[ks] covers head dims 16 ks .. 16 ks + 15; rows past nrows are zero.
@@ -118,12 +120,12 @@ __device__ __forceinline__ void softmax_m_tile(float (&s)[NS][4], int kbase, int
 
 // The output of a 16-row m-tile whose rows a (this thread's g) and b (g + 8) are ra and rb, with
 // row sums already summed over the quad: normalised bf16 rows (one split) or the split's
-// unnormalised partials and (m, l).
+// unnormalised partials and (m, l); both times v_scale.
 template <int D>
 __device__ __forceinline__ void store_m_tile(const float (&o)[D / 8][4], float m_a, float m_b, float l_a, float l_b,
                                              int ra, int rb, int c, int nrows, int group, int q0, int kh, int hq,
                                              int split, int total_tokens, int num_splits, bf16_t* out, float* part_o,
-                                             float* part_ml) {
+                                             float* part_ml, float v_scale) {
 #pragma unroll
     for (int half_i = 0; half_i < 2; ++half_i) {
         const int r = half_i ? rb : ra;
@@ -131,7 +133,7 @@ __device__ __forceinline__ void store_m_tile(const float (&o)[D / 8][4], float m
         const float mm = half_i ? m_b : m_a, ll = half_i ? l_b : l_a;
         const int t = q0 + r / group, h = kh * group + r % group;
         if (num_splits == 1) {
-            const float inv = ll > 0.f ? 1.f / ll : 0.f;
+            const float inv = ll > 0.f ? v_scale / ll : 0.f;
             unsigned int* orow = reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D);
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) orow[n * 4 + c] = pack2(o[n][2 * half_i] * inv, o[n][2 * half_i + 1] * inv);
@@ -139,7 +141,8 @@ __device__ __forceinline__ void store_m_tile(const float (&o)[D / 8][4], float m
             const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
             float2* po = reinterpret_cast<float2*>(part_o + prow * D);
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) po[n * 4 + c] = make_float2(o[n][2 * half_i], o[n][2 * half_i + 1]);
+            for (int n = 0; n < D / 8; ++n)
+                po[n * 4 + c] = make_float2(o[n][2 * half_i] * v_scale, o[n][2 * half_i + 1] * v_scale);
             if (c == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
         }
     }

@@ -12,12 +12,18 @@ from vt.kernels.arena import ALIGN, aligned
 TC_HEAD_DIMS = (64, 128)  # head dims with a tensor-core kernel (attention_tc.cu)
 TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
 MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
+KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
 
 
-def tc_smem(d: int, stages: int, q_rows: int = 0) -> int:
+def tc_smem(d: int, stages: int, q_rows: int = 0, kv8: bool = False) -> int:
     """Dynamic shared memory of a tensor-core attention block: `stages` 64-key K and V tiles
-    (rows padded by 8 elements) and their cache row offsets, then q_rows staged Q rows."""
-    return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q_rows * (d + 8) * 2
+    (rows padded by 8 elements) and their cache row offsets, then q_rows staged Q rows. kv8 (an
+    fp8 cache): one such bf16 K and V tile, the MMAs' converted copy, and `stages` fp8 stages of
+    64 unpadded keys (attention_tc.cu's KvPipe)."""
+    q = q_rows * (d + 8) * 2
+    if kv8:
+        return 2 * 64 * (d + 8) * 2 + stages * (2 * 64 * d + 64 * 4) + q
+    return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q
 
 
 def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int:
@@ -51,9 +57,16 @@ class PrefillTiling(NamedTuple):
     threads: int
     smem: Callable[[int], int]
     sm90_only: bool = False
+    # shared memory of its fp8-KV-cache kernels (name + KV8_SUFFIX) for head dim d, or None where
+    # it has none (the wgmma tilings: an fp8 cache's prompts then run on the fallback tiling)
+    kv8_smem: Callable[[int], int] | None = None
 
-    def kernels(self) -> list[str]:
-        """Its kernels' names, one per head dim."""
+    def kernels(self, kv8: bool = False) -> list[str]:
+        """Its kernels' names, one per head dim (kv8: its fp8-KV-cache kernels', if any)."""
+        if kv8:
+            if self.kv8_smem is None:
+                return []
+            return [self.kernel.format(d=d) + KV8_SUFFIX for d in self.head_dims]
         return [self.kernel.format(d=d) for d in self.head_dims]
 
 
@@ -70,10 +83,12 @@ class PrefillTiling(NamedTuple):
 # attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read directly; wgr_smem
 # for wgr's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
-    "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES)),
+    "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES),
+                         kv8_smem=lambda d: tc_smem(d, TC_STAGES, kv8=True)),
     "w8": PrefillTiling("attention_tc_d{d}_prefill_w8", TC_HEAD_DIMS, 128, 256,
-                        lambda d: tc_smem(d, TC_STAGES)),
-    "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128, lambda d: tc_smem(d, 2, 128)),
+                        lambda d: tc_smem(d, TC_STAGES), kv8_smem=lambda d: tc_smem(d, TC_STAGES, kv8=True)),
+    "m2": PrefillTiling("attention_tc_d{d}_prefill_m2", TC_HEAD_DIMS, 128, 128, lambda d: tc_smem(d, 2, 128),
+                        kv8_smem=lambda d: tc_smem(d, 2, 128, kv8=True)),
     "wg": PrefillTiling("attention_wg_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2), True),
     "wg3": PrefillTiling("attention_wg3_d{d}_prefill", (128,), 192, 384, lambda d: wg_smem(3, 2), True),
     "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2, 2), True),
@@ -101,27 +116,31 @@ TC_MAX_CACHE_ELEMS = 8 * 0xFFFFFFFF  # the tensor-core kernels address the cache
 
 
 def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 0,
-                     prefill: str = DEFAULT_PREFILL_TILING) -> AttnKernel:
+                     prefill: str = DEFAULT_PREFILL_TILING, kv8: bool = False) -> AttnKernel:
     """The kernel for sequences of up to max_query_len tokens, rows = tokens x GQA group per kv
     head. Head dims 64 and 128 run on tensor cores: 8-row transposed tiles when every sequence
     has at most 8 rows (decode with groups up to 8), 16-row tiles up to 16 rows, both with four
     warps sharing out the keys; the `prefill` tiling (PREFILL_TILINGS) otherwise. A K (or V)
-    cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores."""
+    cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores.
+    kv8: the cache holds e4m3 codes; the same choice among the kernels that read them (name +
+    KV8_SUFFIX), a prompt tiling without such kernels (wgmma's) taking the fallback's."""
     rows = max_query_len * group
+    suffix = KV8_SUFFIX if kv8 else ""
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
-        smem = tc_smem(d, TC_STAGES)
+        smem = tc_smem(d, TC_STAGES, kv8=kv8)
         if rows <= 8:
-            return AttnKernel(f"attention_tc_d{d}_decode8", True, 1, smem, 128)
+            return AttnKernel(f"attention_tc_d{d}_decode8{suffix}", True, 1, smem, 128)
         if rows <= 16:
-            return AttnKernel(f"attention_tc_d{d}_decode", True, 1, smem, 128)
+            return AttnKernel(f"attention_tc_d{d}_decode{suffix}", True, 1, smem, 128)
         t = PREFILL_TILINGS[prefill]
-        if d not in t.head_dims:
+        if d not in t.head_dims or (kv8 and t.kv8_smem is None):
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
-        return AttnKernel(t.kernel.format(d=d), True, -(-rows // t.rows), t.smem(d), t.threads)
+        smem = t.kv8_smem(d) if kv8 and t.kv8_smem is not None else t.smem(d)
+        return AttnKernel(t.kernel.format(d=d) + suffix, True, -(-rows // t.rows), smem, t.threads)
     r = 1 if rows <= 4 else 2 if rows <= 8 else 4
     half = d // 2
     smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
-    return AttnKernel(f"attention_r{r}", False, -(-rows // (4 * r)), smem, 128)
+    return AttnKernel(f"attention_r{r}{suffix}", False, -(-rows // (4 * r)), smem, 128)
 
 
 def key_splits(blocks: int, resident: int, max_seq_len: int, max_splits: int = MAX_KEY_SPLITS) -> int:

@@ -21,24 +21,34 @@
 // issuing never waits on a block-table read and a copy is a shared load, an add and the cp.async.
 // Every step commits one copy group, empty or not, so "all but the newest STAGES - 2 groups
 // done" always means "the current tile has landed".
-template <int D, int STAGES, int NT = 128>
+// KV8 (an fp8 cache of e4m3 codes): the copies land in fp8 stages ([STAGES][K|V][TC_KT][D]
+// bytes) and advance() converts the current one into the single bf16 tile the MMAs read (the
+// codes widen to bf16 exactly; the scales are applied outside: k_scale in scale_log2, v_scale on
+// the output), with a second barrier before the MMAs. Half the bytes a key cross HBM and L2.
+template <int D, int STAGES, int NT = 128, bool KV8 = false>
 struct KvPipe {
     static constexpr int SROW = D + 8;      // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
-    static constexpr int PARTS = D / 8;     // 16-byte pieces of one key's head row
+    static constexpr int PARTS = KV8 ? D / 16 : D / 8;  // 16-byte pieces of one key's cached head row
     static constexpr int TPP = NT / PARTS;  // keys per copy pass of the block's NT threads
     static constexpr unsigned int NONE = 0xffffffffu;
-    bf16_t* kv_s;                           // [STAGES][K|V][TC_KT][SROW]
+    bf16_t* kv_s;                           // [STAGES][K|V][TC_KT][SROW]; KV8: [K|V][TC_KT][SROW], fp8 stages
     unsigned int* off_s;                    // [STAGES][TC_KT]
     const bf16_t* k_cache;
     const bf16_t* v_cache;
     const int* table;                       // this sequence's block-table row
     int block_size, hk, kh, kv_end, tile0, tile1;
 
-    static constexpr size_t KV_BYTES = (size_t)STAGES * 2 * TC_KT * SROW * sizeof(bf16_t);
+    static constexpr size_t TILE_BYTES = (size_t)2 * TC_KT * SROW * sizeof(bf16_t);  // one K and V tile
+    static constexpr size_t STAGE8_BYTES = (size_t)2 * TC_KT * D;                      // one fp8 stage
+    static constexpr size_t KV_BYTES = KV8 ? TILE_BYTES + STAGES * STAGE8_BYTES : STAGES * TILE_BYTES;
     static constexpr size_t BYTES = KV_BYTES + (size_t)STAGES * TC_KT * sizeof(unsigned int);
     static_assert(NT >= TC_KT && TC_KT % TPP == 0, "a copy pass covers whole keys of the tile");
     __device__ const bf16_t* k_tile(int tile) const {
+        if constexpr (KV8) return kv_s;  // the converted tile
         return kv_s + (size_t)((tile - tile0) % STAGES) * 2 * TC_KT * SROW;  // its V tile follows
+    }
+    __device__ unsigned char* stage8(int tile) const {  // KV8: the fp8 copies of `tile`, K then V
+        return reinterpret_cast<unsigned char*>(kv_s) + TILE_BYTES + (size_t)((tile - tile0) % STAGES) * STAGE8_BYTES;
     }
 
     __device__ void fetch(int tile) const {
@@ -53,18 +63,40 @@ struct KvPipe {
         }
     }
     __device__ void load(int tile) const {
-        bf16_t* ks = const_cast<bf16_t*>(k_tile(tile));
-        bf16_t* vs = ks + TC_KT * SROW;
         const unsigned int* offs = off_s + (tile % STAGES) * TC_KT;
         const int part = threadIdx.x % PARTS, tok0 = threadIdx.x / PARTS;
+        // In bytes: offsets count 16-byte pieces of the cache either way; a staged row is SROW
+        // bf16 (padded) or D codes.
+        constexpr int ROW_BYTES = KV8 ? D : SROW * (int)sizeof(bf16_t);
+        unsigned char* ks = KV8 ? stage8(tile) : reinterpret_cast<unsigned char*>(const_cast<bf16_t*>(k_tile(tile)));
+        unsigned char* vs = ks + TC_KT * ROW_BYTES;
+        const unsigned char* kc = reinterpret_cast<const unsigned char*>(k_cache);
+        const unsigned char* vc = reinterpret_cast<const unsigned char*>(v_cache);
 #pragma unroll
         for (int i = 0; i < TC_KT / TPP; ++i) {
             const int tok = tok0 + i * TPP;
             const unsigned int off = offs[tok];
             const bool ok = off != NONE;
-            const size_t src = ok ? ((size_t)off + part) * 8 : 0;
-            cp_async16(ks + tok * SROW + part * 8, k_cache + src, ok);
-            cp_async16(vs + tok * SROW + part * 8, v_cache + src, ok);
+            const size_t src = ok ? ((size_t)off + part) * 16 : 0;
+            cp_async16(ks + tok * ROW_BYTES + part * 16, kc + src, ok);
+            cp_async16(vs + tok * ROW_BYTES + part * 16, vc + src, ok);
+        }
+    }
+    // KV8: the landed fp8 stage of `tile` into the bf16 tile, 16 codes a thread a pass (keys
+    // past kv_end were zero-filled, and code 0 is 0).
+    __device__ void convert(int tile) const {
+        const unsigned char* src = stage8(tile);
+        static_assert(2 * TC_KT * (D / 16) % NT == 0, "every thread converts the same number of pieces");
+#pragma unroll 1
+        for (int i = 0; i < 2 * TC_KT * (D / 16) / NT; ++i) {
+            const int e = threadIdx.x + i * NT;
+            const int row = e / (D / 16), part = e % (D / 16);  // row: K keys, then V keys
+            const uint4 w = *reinterpret_cast<const uint4*>(src + (size_t)row * D + part * 16);
+            const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
+            const uint2 c = e4m3x4_to_bf16x4(w.z), d = e4m3x4_to_bf16x4(w.w);
+            uint4* dst = reinterpret_cast<uint4*>(kv_s + (size_t)row * SROW + part * 16);
+            dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+            dst[1] = make_uint4(c.x, c.y, d.x, d.y);
         }
     }
     // The first STAGES - 1 tiles go out before the caller's Q reads, so their latencies overlap.
@@ -85,14 +117,17 @@ struct KvPipe {
             cp_async_commit();
         }
     }
-    // Wait for `tile`, then refill the stage the previous step consumed.
+    // Wait for `tile`, then refill the stage the previous step consumed. KV8: convert the tile
+    // (every warp is past the last tile's products at the first barrier) and publish it.
     __device__ void advance(int tile) const {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // this tile landed for every thread; the stage refilled below is free
+        if constexpr (KV8) convert(tile);
         const int next = tile + STAGES - 1;
         if (next < tile1) load(next);
         cp_async_commit();
         fetch(next + 1);  // its slot held the offsets of `tile`, issued steps ago
+        if constexpr (KV8) __syncthreads();  // the converted tile is whole before the products
     }
     __device__ void finish() const {
         cp_async_wait<0>();
@@ -106,7 +141,8 @@ struct KvPipe {
 template <int D, int KW, int ROWS>
 __device__ __forceinline__ void merge_key_warps(const float* red_o, const float* red_ml, int row0, int nrows,
                                                 int group, int q0, int kh, int hq, int split, int total_tokens,
-                                                int num_splits, bf16_t* out, float* part_o, float* part_ml) {
+                                                int num_splits, bf16_t* out, float* part_o, float* part_ml,
+                                                float v_scale) {
     for (int e = threadIdx.x; e < ROWS * (D / 2); e += blockDim.x) {
         const int lr = e / (D / 2), p = e % (D / 2), r = row0 + lr;
         if (r >= nrows) continue;
@@ -127,20 +163,20 @@ __device__ __forceinline__ void merge_key_warps(const float* red_o, const float*
         }
         const int t = q0 + r / group, h = kh * group + r % group;
         if (num_splits == 1) {
-            const float inv = ll > 0.f ? 1.f / ll : 0.f;
+            const float inv = ll > 0.f ? v_scale / ll : 0.f;
             reinterpret_cast<unsigned int*>(out + ((size_t)t * hq + h) * D)[p] = pack2(x0 * inv, x1 * inv);
         } else {
             const size_t prow = ((size_t)split * total_tokens + t) * hq + h;
-            reinterpret_cast<float2*>(part_o + prow * D)[p] = make_float2(x0, x1);
+            reinterpret_cast<float2*>(part_o + prow * D)[p] = make_float2(x0 * v_scale, x1 * v_scale);
             if (p == 0) { part_ml[prow * 2] = mm; part_ml[prow * 2 + 1] = ll; }
         }
     }
 }
 
-template <int D, int RW, int KW, int STAGES>
+template <int D, int RW, int KW, int STAGES, bool KV8 = false>
 __device__ __forceinline__ void attention_tc_body(
     ATTN_TC_PARAMS) {
-    using Pipe = KvPipe<D, STAGES>;
+    using Pipe = KvPipe<D, STAGES, 128, KV8>;
     constexpr int SROW = Pipe::SROW;
     constexpr int WK = TC_KT / KW;        // keys per warp per tile
     constexpr int NS = WK / 8;            // score n-tiles per warp
@@ -243,10 +279,10 @@ __device__ __forceinline__ void attention_tc_body(
         }
         __syncthreads();
         merge_key_warps<D, KW, 16>(red_o, red_ml, row0, nrows, group, q0, kh, hq, split, total_tokens,
-                                   num_splits, out, part_o, part_ml);
+                                   num_splits, out, part_o, part_ml, v_scale);
     } else {
         store_m_tile<D>(o, m_a, m_b, l_a, l_b, ra, rb, c, nrows, group, q0, kh, hq, split, total_tokens, num_splits,
-                        out, part_o, part_ml);
+                        out, part_o, part_ml, v_scale);
     }
 }
 
@@ -258,11 +294,11 @@ __device__ __forceinline__ void attention_tc_body(
 // Q is staged in shared memory once ([ROWS][D + 8], after the pipe) and read a k-step at a time.
 // The softmax steps over KSUB keys of the tile at a time: 32 keeps two m-tiles' scores of head
 // dim 128 in registers without spilling.
-template <int D, int NW, int MT, int STAGES, int KSUB>
+template <int D, int NW, int MT, int STAGES, int KSUB, bool KV8 = false>
 __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
     constexpr int NT = 32 * NW;
     constexpr int ROWS = 16 * MT * NW;
-    using Pipe = KvPipe<D, STAGES, NT>;
+    using Pipe = KvPipe<D, STAGES, NT, KV8>;
     constexpr int SROW = Pipe::SROW;
     constexpr int NS = KSUB / 8;   // score n-tiles of an m-tile in one softmax step
     constexpr int DK = D / 16;     // k-steps over the head dim
@@ -382,7 +418,7 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
     for (int t = 0; t < MT; ++t) {
         const int ra = wr0 + 16 * t + g;
         store_m_tile<D>(o[t], m[t][0], m[t][1], quad_sum(l[t][0]), quad_sum(l[t][1]), ra, ra + 8, c, nrows, group, q0,
-                        kh, hq, split, total_tokens, num_splits, out, part_o, part_ml);
+                        kh, hq, split, total_tokens, num_splits, out, part_o, part_ml, v_scale);
     }
 }
 
@@ -391,10 +427,10 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
 // 16-wide M side of each mma and the rows its 8-wide N side, which halves the mma count and the
 // accumulators of a 16-row tile whose rows would be mostly padding. Four warps each take 16 keys
 // of every 64-key tile and are merged at the end.
-template <int D, int STAGES>
+template <int D, int STAGES, bool KV8 = false>
 __device__ __forceinline__ void attention_tc_dec8_body(
     ATTN_TC_PARAMS) {
-    using Pipe = KvPipe<D, STAGES>;
+    using Pipe = KvPipe<D, STAGES, 128, KV8>;
     constexpr int SROW = Pipe::SROW;
     constexpr int DK = D / 16;             // k-steps of S^T over the head dim, m-tiles of O^T
     extern __shared__ __align__(16) unsigned char smem[];
@@ -515,35 +551,46 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     }
     __syncthreads();
     merge_key_warps<D, 4, 8>(red_o, red_ml, row0, nrows, group, q0, kh, hq, split, total_tokens, num_splits,
-                             out, part_o, part_ml);
+                             out, part_o, part_ml, v_scale);
 }
 
-#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES)                                              \
+#define ATTENTION_TC_ENTRY(NAME, D, RW, KW, STAGES, KV8)                                         \
     extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS) {                       \
-        attention_tc_body<D, RW, KW, STAGES>(ATTN_TC_ARGS);                                        \
+        attention_tc_body<D, RW, KW, STAGES, KV8>(ATTN_TC_ARGS);                                   \
     }
 
-ATTENTION_TC_ENTRY(attention_tc_d64_prefill, 64, 4, 1, TC_STAGES)
-ATTENTION_TC_ENTRY(attention_tc_d64_decode, 64, 1, 4, TC_STAGES)
-ATTENTION_TC_ENTRY(attention_tc_d128_prefill, 128, 4, 1, TC_STAGES)
-ATTENTION_TC_ENTRY(attention_tc_d128_decode, 128, 1, 4, TC_STAGES)
+ATTENTION_TC_ENTRY(attention_tc_d64_prefill, 64, 4, 1, TC_STAGES, false)
+ATTENTION_TC_ENTRY(attention_tc_d64_decode, 64, 1, 4, TC_STAGES, false)
+ATTENTION_TC_ENTRY(attention_tc_d128_prefill, 128, 4, 1, TC_STAGES, false)
+ATTENTION_TC_ENTRY(attention_tc_d128_decode, 128, 1, 4, TC_STAGES, false)
+// fp8 KV cache (e4m3 codes): the same tiles, the K/V stages converted to bf16 in shared memory.
+ATTENTION_TC_ENTRY(attention_tc_d64_prefill_kv8, 64, 4, 1, TC_STAGES, true)
+ATTENTION_TC_ENTRY(attention_tc_d64_decode_kv8, 64, 1, 4, TC_STAGES, true)
+ATTENTION_TC_ENTRY(attention_tc_d128_prefill_kv8, 128, 4, 1, TC_STAGES, true)
+ATTENTION_TC_ENTRY(attention_tc_d128_decode_kv8, 128, 1, 4, TC_STAGES, true)
 
-#define ATTENTION_TC_DEC8_ENTRY(NAME, D, STAGES)                                                 \
+#define ATTENTION_TC_DEC8_ENTRY(NAME, D, STAGES, KV8)                                            \
     extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS) {                       \
-        attention_tc_dec8_body<D, STAGES>(ATTN_TC_ARGS);                                           \
+        attention_tc_dec8_body<D, STAGES, KV8>(ATTN_TC_ARGS);                                      \
     }
 
-ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8, 64, TC_STAGES)
-ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8, 64, TC_STAGES, false)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES, false)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8_kv8, 64, TC_STAGES, true)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8_kv8, 128, TC_STAGES, true)
 
 // Prefill tilings of 128 rows (attention_plan.PREFILL_TILINGS): eight warps of one m-tile, or
 // four warps of two m-tiles with Q in shared memory and two K/V stages (two blocks an SM).
-#define ATTENTION_TC_PREFILL_ENTRY(NAME, D, NW, MT, STAGES, KSUB)                                \
+#define ATTENTION_TC_PREFILL_ENTRY(NAME, D, NW, MT, STAGES, KSUB, KV8)                           \
     extern "C" __global__ void __launch_bounds__(32 * NW, 1) NAME(ATTN_TC_PARAMS) {                \
-        attention_tc_prefill_body<D, NW, MT, STAGES, KSUB>(ATTN_TC_ARGS);                          \
+        attention_tc_prefill_body<D, NW, MT, STAGES, KSUB, KV8>(ATTN_TC_ARGS);                     \
     }
 
-ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_w8, 64, 8, 1, TC_STAGES, 64)
-ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_w8, 128, 8, 1, TC_STAGES, 64)
-ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_m2, 64, 4, 2, 2, 64)
-ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_m2, 128, 4, 2, 2, 32)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_w8, 64, 8, 1, TC_STAGES, 64, false)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_w8, 128, 8, 1, TC_STAGES, 64, false)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_m2, 64, 4, 2, 2, 64, false)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_m2, 128, 4, 2, 2, 32, false)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_w8_kv8, 64, 8, 1, TC_STAGES, 64, true)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_w8_kv8, 128, 8, 1, TC_STAGES, 64, true)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d64_prefill_m2_kv8, 64, 4, 2, 2, 64, true)
+ATTENTION_TC_PREFILL_ENTRY(attention_tc_d128_prefill_m2_kv8, 128, 4, 2, 2, 32, true)

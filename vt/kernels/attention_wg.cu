@@ -273,7 +273,7 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     cp_async_wait<0>();
 
     store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
-                       total_tokens, num_splits, out, part_o, part_ml);
+                       total_tokens, num_splits, out, part_o, part_ml, v_scale);
 }
 
 #define ATTENTION_WG_ENTRY(NAME, NWG, STAGES, OVERLAP, VDIRECT)                                   \
@@ -465,7 +465,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     cp_async_wait<0>();
 
     store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
-                       total_tokens, num_splits, out, part_o, part_ml);
+                       total_tokens, num_splits, out, part_o, part_ml, v_scale);
 }
 
 #define ATTENTION_WGR_ENTRY(NAME)                                                                 \

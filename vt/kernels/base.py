@@ -45,7 +45,8 @@ class Backend(Protocol):
         """A weight (float32, float16 or ml_dtypes.bfloat16 host array) -> act array, persistent."""
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Array:
-        """Persistent zeroed buffer; dtype "act" | "f32" | "i32" | "i64" | "u8"."""
+        """Persistent zeroed buffer; dtype "act" | "f32" | "i32" | "i64" | "u8" | "fp8" (e4m3 codes:
+        ml_dtypes.float8_e4m3fn on numpy, their bytes as uint8 on CUDA; an fp8 KV cache)."""
 
     def from_host(self, host: np.ndarray, dtype: str) -> Array:
         """Persistent copy of a host array as dtype "act" | "f32" | "i32" | "u8" (tests, setup)."""
@@ -111,16 +112,21 @@ class Backend(Protocol):
         """In place, neox style (rotate halves): q act[T, Hq, D], k act[T, Hk, D], positions i32[T],
         inv_freq f32[D // 2]; angle = position * inv_freq[i], computed in fp32."""
 
-    def write_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+    def write_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: Array,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """In place: k, v act[T, Hk, D] into caches act[NB, BS, Hk, D] at flat slot
-        slot_mapping[t] = block * BS + offset; a negative slot is skipped (padding)."""
+        slot_mapping[t] = block * BS + offset; a negative slot is skipped (padding).
+        An fp8 cache (zeros(..., "fp8")) stores e4m3(k / k_scale) and e4m3(v / v_scale), with
+        kv_scales = (k_scale, v_scale): nearest even, saturated to +-448 (vLLM's fp8 KV cache);
+        an act cache ignores kv_scales."""
 
     def qk_norm_rope_write_kv(self, q: Array, k: Array, v: Array, q_norm: Array | None,
                               k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
                               k_cache: Array, v_cache: Array, slot_mapping: Array,
-                              rms_of: Array | None = None, bias: Array | None = None) -> None:
+                              rms_of: Array | None = None, bias: Array | None = None,
+                              kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """In place, the attention prologue as one op: q and k get head_rms_norm (where a weight
-        is given) and then rope, written back into q and k; then write_kv(k, v, ...). Equal to
+        is given) and then rope, written back into q and k; then write_kv(k, v, ..., kv_scales). Equal to
         those three ops in that order, bf16 rounding after each included.
         rms_of act[T, H] (optional): first every row of q, k and v is multiplied by
         rsqrt(mean(rms_of[t] ** 2) + eps), the input norm of a projection whose norm weight was
@@ -130,7 +136,7 @@ class Backend(Protocol):
     def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
                   seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
                   max_seq_len: int, out: Array | None = None, decode_seqs: int = 0,
-                  follows_kv_write: bool = False) -> Array:
+                  follows_kv_write: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> Array:
         """Causal attention of a ragged batch over the paged cache -> act[T, Hq, D] (into out
         when given: rows of no sequence are left as they were). decode_seqs: the first
         decode_seqs sequences have one query row each (a hint: CUDA runs them on its decode
@@ -141,7 +147,10 @@ class Backend(Protocol):
         Sequence b owns query rows query_start_loc[b] : query_start_loc[b + 1] (L_b rows); its
         context is seq_lens[b] tokens, found through block_tables i32[B, max_blocks]. Query row j
         of b sits at position seq_lens[b] - L_b + j and attends to positions 0..itself.
-        GQA: query head h reads kv head h // (Hq // Hk). Softmax in fp32."""
+        GQA: query head h reads kv head h // (Hq // Hk). Softmax in fp32.
+        An fp8 cache is read as code * scale, kv_scales = (k_scale, v_scale) as write_kv took them
+        (CUDA folds k_scale into the score scale and v_scale into the output, so the codes
+        convert to bf16 exactly)."""
 
     def silu_mul(self, x: Array, rms_of: Array | None = None, eps: float = 0.0) -> Array:
         """x act[T, 2I] -> act[T, I] = silu(x[:, :I]) * x[:, I:]. With rms_of act[T, H], both
@@ -245,11 +254,12 @@ def prologue_fused(head_dim: int, q_norm: Array | None, k_norm: Array | None) ->
 
 def norm_rope_write_kv_unfused(ops: Backend, q: Array, k: Array, v: Array, q_norm: Array | None,
                                k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
-                               k_cache: Array, v_cache: Array, slot_mapping: Array) -> None:
+                               k_cache: Array, v_cache: Array, slot_mapping: Array,
+                               kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """qk_norm_rope_write_kv spelled as its three ops (the definition the fused kernel meets)."""
     if q_norm is not None:
         q[...] = ops.head_rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k[...] = ops.head_rms_norm(k, k_norm, eps)
     ops.rope(q, k, positions, inv_freq)
-    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)

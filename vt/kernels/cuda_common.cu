@@ -149,3 +149,70 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     if (ab.row0 >= ab.nrows) return;                                                                  \
     const int group = ab.group, kh = ab.kh, b = ab.b, split = ab.split, q0 = ab.q0, qlen = ab.qlen;   \
     const int ctx = ab.ctx, nrows = ab.nrows, row0 = ab.row0, kv_end = ab.kv_end
+
+// ---- e4m3 (fp8) codes: the fp8 GEMMs' activations (fp8.cu) and the fp8 KV cache --------------
+// float -> e4m3 bits, nearest even, finite values saturated to +-448, NaN kept a NaN. The software
+// path is the definition (and what the host simulator runs); sm_89+ converts two values an
+// instruction, which rounds the same way.
+__device__ __forceinline__ unsigned int f2e4m3(float f) {
+    const unsigned int u = __float_as_uint(f);
+    const unsigned int sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;
+    if (a >= 0x43e00000u) return sign | 0x7eu;                 // >= 448: the largest finite e4m3
+    if (a < 0x3c800000u) {                                     // below 2^-6: subnormal steps of 2^-9
+        return sign | (unsigned int)rintf(__uint_as_float(a) * 512.f);
+    }
+    const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);   // round the 23-bit mantissa to 3 bits
+    return sign | ((r >> 20) - (120u << 3));                   // rebias the exponent: 127 -> 7
+}
+
+__device__ __forceinline__ unsigned int pack4_e4m3(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned int)lo | ((unsigned int)hi << 16);
+#else
+    return f2e4m3(a) | (f2e4m3(b) << 8) | (f2e4m3(c) << 16) | (f2e4m3(d) << 24);
+#endif
+}
+
+// e4m3 bits -> float, exactly (every e4m3 value is a float; 0x7f / 0xff are NaN). The software
+// path is the definition (and what the host simulator runs).
+__device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
+    const unsigned int sign = (c & 0x80u) << 24, e = (c >> 3) & 0xfu, m = c & 7u;
+    if (e == 0u) return __uint_as_float(sign | __float_as_uint((float)m * 0.001953125f));  // m * 2^-9
+    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));                        // rebias 7 -> 127
+}
+
+// Two e4m3 codes (the lower address in the low byte) -> the bf16 pair word of their values,
+// exactly (e4m3 values are bf16 values). sm_89+ converts a pair to f16x2 in one instruction;
+// f16 -> f32 -> bf16 is exact for them too.
+__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned int two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)two));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+#else
+    return (__float_as_uint(e4m3_to_f32(two & 0xffu)) >> 16) |
+           (__float_as_uint(e4m3_to_f32((two >> 8) & 0xffu)) & 0xffff0000u);
+#endif
+}
+
+// Four codes in a word -> two bf16 pair words (elements 0, 1 and 2, 3).
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(unsigned int four) {
+    return make_uint2(e4m3x2_to_bf16x2(four & 0xffffu), e4m3x2_to_bf16x2(four >> 16));
+}
+
+// 8 floats -> 8 e4m3 codes of f / scale (nearest even, saturated) in one 8-byte store: what the
+// fp8 KV cache holds (vLLM divides by the scale; IEEE division, so the codes match numpy's).
+__device__ __forceinline__ void store8_e4m3_div(unsigned char* p, const float* f, float scale) {
+    uint2 w;
+    w.x = pack4_e4m3(__fdiv_rn(f[0], scale), __fdiv_rn(f[1], scale), __fdiv_rn(f[2], scale), __fdiv_rn(f[3], scale));
+    w.y = pack4_e4m3(__fdiv_rn(f[4], scale), __fdiv_rn(f[5], scale), __fdiv_rn(f[6], scale), __fdiv_rn(f[7], scale));
+    *reinterpret_cast<uint2*>(p) = w;
+}

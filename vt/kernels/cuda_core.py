@@ -28,7 +28,8 @@ from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
 from vt.kernels.sources import KERNEL_FILES, translation_unit
 
-_DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
+_DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
+           "fp8": np.uint8}  # fp8: e4m3 codes as their bytes (an fp8 KV cache)
 
 
 def bf16_bits(host: np.ndarray) -> np.ndarray:
@@ -40,6 +41,18 @@ def bf16_bits(host: np.ndarray) -> np.ndarray:
     if host.dtype in (np.float32, np.float16, np.float64):
         return np.ascontiguousarray(host.astype(ml_dtypes.bfloat16)).view(np.uint16)
     raise TypeError(f"cannot upload dtype {host.dtype} as bf16; expected float32, float16 or bfloat16")
+
+
+def is_fp8_cache(cache: cupy.ndarray) -> bool:
+    """A KV cache of e4m3 codes (zeros(..., "fp8"): bytes) rather than bf16 bits."""
+    return cache.dtype == np.uint8
+
+
+def kv_cache_args(cache: cupy.ndarray, kv_scales: tuple[float, float]) -> tuple[Any, Any, Any]:
+    """The KV write kernels' last arguments: k_scale, v_scale and whether the cache is fp8 (the
+    scales are kernel scalars: fixed per layer at load, so a captured graph holds them)."""
+    fp8 = is_fp8_cache(cache)
+    return np.float32(kv_scales[0] if fp8 else 1.0), np.float32(kv_scales[1] if fp8 else 1.0), np.int32(fp8)
 
 
 def token_stride(x: cupy.ndarray, name: str) -> int:

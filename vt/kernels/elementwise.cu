@@ -103,15 +103,29 @@ extern "C" __global__ void rope_k(bf16_t* __restrict__ q, int q_stride, bf16_t* 
 }
 
 // k, v rows (token-strided, hk * d each) into caches [slots, hk, d] at slot_mapping[t]; < 0 or
-// beyond the cache is skipped.
+// beyond the cache is skipped. kv8: the caches hold e4m3 codes (one byte an element) of
+// k / k_scale and v / v_scale (vLLM's fp8 KV cache); the scales are unused otherwise.
 extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride, const bf16_t* __restrict__ v,
                                       int v_stride, bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
-                                      const int* __restrict__ slot_mapping, int row_elems, long long num_slots) {
+                                      const int* __restrict__ slot_mapping, int row_elems, long long num_slots,
+                                      float k_scale, float v_scale, int kv8) {
     const int t = blockIdx.x;
     const long long slot = slot_mapping[t];
     if (slot < 0 || slot >= num_slots) return;
     const uint4* ks = reinterpret_cast<const uint4*>(k + (size_t)t * k_stride);
     const uint4* vs = reinterpret_cast<const uint4*>(v + (size_t)t * v_stride);
+    if (kv8) {
+        unsigned char* kd = reinterpret_cast<unsigned char*>(k_cache) + (size_t)slot * row_elems;
+        unsigned char* vd = reinterpret_cast<unsigned char*>(v_cache) + (size_t)slot * row_elems;
+        for (int c = threadIdx.x; c < row_elems / 8; c += blockDim.x) {
+            float f[8];
+            load8(k + (size_t)t * k_stride + c * 8, f);
+            store8_e4m3_div(kd + c * 8, f, k_scale);
+            load8(v + (size_t)t * v_stride + c * 8, f);
+            store8_e4m3_div(vd + c * 8, f, v_scale);
+        }
+        return;
+    }
     uint4* kd = reinterpret_cast<uint4*>(k_cache + (size_t)slot * row_elems);
     uint4* vd = reinterpret_cast<uint4*>(v_cache + (size_t)slot * row_elems);
     for (int c = threadIdx.x; c < row_elems / 8; c += blockDim.x) {
@@ -125,6 +139,18 @@ __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) 
     float g[8];
     if (b != nullptr) load8(b, g);
     for (int e = 0; e < 8; ++e) f[e] = bf2f(f2bf(b != nullptr ? f[e] * s + g[e] : f[e] * s));
+}
+
+// 8 values into a KV cache at element `at`: bf16 as store8 rounds them, or with kv8 the e4m3
+// codes of those bf16 values / scale (what write_kv_k stores from the rounded k and v).
+__device__ __forceinline__ void store_kv8(bf16_t* cache, size_t at, const float* f, float scale, int kv8) {
+    if (!kv8) {
+        store8(cache + at, f);
+        return;
+    }
+    float r[8];
+    for (int e = 0; e < 8; ++e) r[e] = bf2f(f2bf(f[e]));
+    store8_e4m3_div(reinterpret_cast<unsigned char*>(cache) + at, r, scale);
 }
 
 // The attention prologue in one launch (head_rms_norm of q and k, neox rope, write_kv), bit
@@ -141,12 +167,14 @@ __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) 
 // rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
 // (the input norm, its weight folded into the qkv projection), then bias (may be null) is
 // added, and the rounded values are written back into q, k and v.
+// kv8: the caches take e4m3 codes of the bf16-rounded k / k_scale and v / v_scale, as write_kv_k's.
 extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
     bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, bf16_t* __restrict__ v,
     int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,
     const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache,
     bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
-    int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias) {
+    int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias,
+    float k_scale, float v_scale, int kv8) {
     __shared__ float scratch[32];
     __shared__ float rot_c[128], rot_s[128];
     // Attention, launched as a dependent, reads only the K/V this kernel does not write before
@@ -212,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
             for (int e = 0; e < 8; ++e) other[e] = __shfl_sync(0xffffffffu, f[e], partner);
             if (mine && is_v) {  // v head: into the cache (and back into v when scaled)
                 if (prescale) store8(xr + sub * 8, f);
-                if (cache) store8(v_cache + ((size_t)slot * hk + h) * d + sub * 8, f);
+                if (cache) store_kv8(v_cache, ((size_t)slot * hk + h) * d + sub * 8, f, v_scale, kv8);
             } else if (mine) {
                 float r[8];
                 for (int e = 0; e < 8; ++e) {
@@ -221,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
                                  : rot_second(other[e], f[e], rot_c[i], rot_s[i]);
                 }
                 store8(xr + sub * 8, r);
-                if (!is_q && cache) store8(k_cache + ((size_t)slot * hk + h) * d + sub * 8, r);
+                if (!is_q && cache) store_kv8(k_cache, ((size_t)slot * hk + h) * d + sub * 8, r, k_scale, kv8);
             }
             if (more) for (int e = 0; e < 8; ++e) f[e] = fn[e];
         }

@@ -8,7 +8,7 @@ import cupy
 import numpy as np
 
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
-from vt.kernels.cuda_core import CudaCore, check_rows, token_stride
+from vt.kernels.cuda_core import CudaCore, check_rows, kv_cache_args, token_stride
 
 # The kernels these launchers call (bias_add_k is gemm.py's, for a projection's bias).
 KERNELS = {
@@ -117,6 +117,7 @@ class ElementwiseOps(CudaCore):
         k_cache: cupy.ndarray,
         v_cache: cupy.ndarray,
         slot_mapping: cupy.ndarray,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         kst, vst = token_stride(k, "write_kv k"), token_stride(v, "write_kv v")
         t, hk, d = k.shape
@@ -130,7 +131,8 @@ class ElementwiseOps(CudaCore):
                 "write_kv_k",
                 (t,),
                 (128,),
-                (k, _i32(kst), v, _i32(vst), k_cache, v_cache, slot_mapping, _i32(hk * d), np.int64(nb * bs)),
+                (k, _i32(kst), v, _i32(vst), k_cache, v_cache, slot_mapping, _i32(hk * d), np.int64(nb * bs),
+                 *kv_cache_args(k_cache, kv_scales)),
             )
 
     def qk_norm_rope_write_kv(
@@ -148,6 +150,7 @@ class ElementwiseOps(CudaCore):
         slot_mapping: cupy.ndarray,
         rms_of: cupy.ndarray | None = None,
         bias: cupy.ndarray | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         t, hq, d = q.shape
         hk = k.shape[1]
@@ -160,7 +163,7 @@ class ElementwiseOps(CudaCore):
             raise ValueError(f"qk_norm_rope_write_kv: bias {bias.dtype}{bias.shape} is not act[(Hq+2Hk)D]")
         if not prologue_fused(d, q_norm, k_norm):
             self._prologue_unfused(q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,
-                                   slot_mapping, rms_of, bias)
+                                   slot_mapping, rms_of, bias, kv_scales)
             return
         qs, ks, vs = (token_stride(x, "qk_norm_rope_write_kv") for x in (q, k, v))
         bad = k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or (hkc, dc) != (hk, d)
@@ -179,7 +182,7 @@ class ElementwiseOps(CudaCore):
                  0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
                  slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d),
                  0 if rms_of is None else rms_of, _i32(0 if rms_of is None else rms_of.shape[1]),
-                 0 if bias is None else bias),
+                 0 if bias is None else bias, *kv_cache_args(k_cache, kv_scales)),
             )
 
     def _prologue_unfused(
@@ -197,6 +200,7 @@ class ElementwiseOps(CudaCore):
         slot_mapping: cupy.ndarray,
         rms_of: cupy.ndarray | None,
         bias: cupy.ndarray | None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """qk_norm_rope_write_kv as its three ops, for the shapes the one-warp-per-head kernel does
         not cover; the input-norm scale and the bias first, in place."""
@@ -211,7 +215,7 @@ class ElementwiseOps(CudaCore):
                               0 if rms_of is None else rms_of, _i32(width), _f32(eps),
                               0 if bias is None else bias[lo : lo + n]))
         norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
-                                   v_cache, slot_mapping)
+                                   v_cache, slot_mapping, kv_scales)
 
     def silu_mul(self, x: cupy.ndarray, rms_of: cupy.ndarray | None = None, eps: float = 0.0) -> cupy.ndarray:
         check_rows(x, "silu_mul x")

@@ -11,31 +11,7 @@
 #define FP8_AMAX_FLOOR 1e-12f
 #define FP8_THREADS 256
 
-// float -> e4m3 bits, nearest even, finite values saturated to +-448, NaN kept a NaN. The software
-// path is the definition (and what the host simulator runs); sm_89+ converts two values an
-// instruction, which rounds the same way.
-__device__ __forceinline__ unsigned int f2e4m3(float f) {
-    const unsigned int u = __float_as_uint(f);
-    const unsigned int sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return sign | 0x7fu;
-    if (a >= 0x43e00000u) return sign | 0x7eu;                 // >= 448: the largest finite e4m3
-    if (a < 0x3c800000u) {                                     // below 2^-6: subnormal steps of 2^-9
-        return sign | (unsigned int)rintf(__uint_as_float(a) * 512.f);
-    }
-    const unsigned int r = a + 0x7ffffu + ((a >> 20) & 1u);   // round the 23-bit mantissa to 3 bits
-    return sign | ((r >> 20) - (120u << 3));                   // rebias the exponent: 127 -> 7
-}
-
-__device__ __forceinline__ unsigned int pack4_e4m3(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
-    return (unsigned int)lo | ((unsigned int)hi << 16);
-#else
-    return f2e4m3(a) | (f2e4m3(b) << 8) | (f2e4m3(c) << 16) | (f2e4m3(d) << 24);
-#endif
-}
+// f2e4m3 and pack4_e4m3 (float -> e4m3 bits) are in cuda_common.cu: the KV cache write uses them too.
 
 __device__ __forceinline__ void store8_e4m3(unsigned char* p, const float* f, float inv) {
     unsigned int* w = reinterpret_cast<unsigned int*>(p);

@@ -16,9 +16,10 @@ import numpy as np
 
 from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
-from vt.kernels.numpy_fp8 import NumpyFp8Ops
+from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, to_e4m3
 
-_DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64}
+_DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
+           "fp8": E4M3}
 
 
 def _np_dtype(dtype: str) -> type:
@@ -132,20 +133,25 @@ class NumpyBackend(NumpyFp8Ops):
             x[..., half:] = x2 * cos + x1 * sin
 
     def write_kv(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                 slot_mapping: np.ndarray) -> None:
+                 slot_mapping: np.ndarray, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         nb, bs, hk, d = k_cache.shape
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         if slots.size and int(slots.max()) >= nb * bs:
             raise IndexError(f"slot {int(slots.max())} is outside the KV cache ({nb} blocks of {bs})")
-        k_cache.reshape(nb * bs, hk, d)[slots] = k[keep]
-        v_cache.reshape(nb * bs, hk, d)[slots] = v[keep]
+        ks, vs = k[keep], v[keep]
+        if k_cache.dtype == E4M3:  # vLLM's fp8 cache: codes of x / scale
+            ks = to_e4m3(ks / np.float32(kv_scales[0]))
+            vs = to_e4m3(vs / np.float32(kv_scales[1]))
+        k_cache.reshape(nb * bs, hk, d)[slots] = ks
+        v_cache.reshape(nb * bs, hk, d)[slots] = vs
 
     def qk_norm_rope_write_kv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                               q_norm: np.ndarray | None, k_norm: np.ndarray | None, eps: float,
                               positions: np.ndarray, inv_freq: np.ndarray, k_cache: np.ndarray,
                               v_cache: np.ndarray, slot_mapping: np.ndarray,
-                              rms_of: np.ndarray | None = None, bias: np.ndarray | None = None) -> None:
+                              rms_of: np.ndarray | None = None, bias: np.ndarray | None = None,
+                              kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         if rms_of is not None or bias is not None:
             rms = np.float32(1) if rms_of is None else _rms(rms_of, eps)[:, :, None]
             parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3
@@ -155,7 +161,7 @@ class NumpyBackend(NumpyFp8Ops):
         fused = prologue_fused(q.shape[2], q_norm, k_norm)
         with self._counting_into(None if fused else self._ledger()):
             norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
-                                       v_cache, slot_mapping)
+                                       v_cache, slot_mapping, kv_scales)
 
     @contextlib.contextmanager
     def _counting_into(self, ledger: ArenaLedger | None) -> Iterator[None]:
@@ -171,8 +177,10 @@ class NumpyBackend(NumpyFp8Ops):
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   scale: float, max_query_len: int, max_seq_len: int,
                   out: np.ndarray | None = None, decode_seqs: int = 0,
-                  follows_kv_write: bool = False) -> np.ndarray:
+                  follows_kv_write: bool = False,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
         t, hq, d = q.shape
+        fp8 = k_cache.dtype == E4M3
         if decode_seqs and (np.diff(query_start_loc[: decode_seqs + 1]) != 1).any():
             raise ValueError(f"attention: the first {decode_seqs} sequences must have one query row each")
         _, bs, hk, _ = k_cache.shape
@@ -192,6 +200,9 @@ class NumpyBackend(NumpyFp8Ops):
             blocks = block_tables[b, : -(-ctx // bs)]
             keys = k_cache[blocks].reshape(-1, hk, d)[:ctx]
             vals = v_cache[blocks].reshape(-1, hk, d)[:ctx]
+            if fp8:  # an fp8 cache reads as code * scale
+                keys = keys.astype(np.float32) * np.float32(kv_scales[0])
+                vals = vals.astype(np.float32) * np.float32(kv_scales[1])
             qb = q[start:end].reshape(length, hk, group, d)
             scores = np.einsum("lkgd,skd->kgls", qb, keys) * np.float32(scale)
             # Row j sits at position ctx - length + j and sees keys 0..itself.

@@ -82,16 +82,27 @@ def _device_name(ops: Any) -> str:
         return "cuda"
 
 
+def _kv_dtype(kv_cache_dtype: str, runner: Any) -> str:
+    """An fp8 KV cache named, with where its scales came from ("" for the model's dtype)."""
+    if kv_cache_dtype != "fp8":
+        return ""
+    source = ("the checkpoint's k_scale / v_scale" if runner.model.kv_scales_from_checkpoint
+              else "scales 1.0: the checkpoint has no k_scale / v_scale")
+    return f" of fp8 e4m3 ({source})"
+
+
 def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None = None) -> list[str]:
     """The summary as log lines, read off a started AsyncEngine."""
     from vt.model.transformer import Transformer
+    from vt.runner.memory_plan import kv_item_bytes
 
     mc: ModelConfig = engine.model_config
     runner, cfg = engine.runner, engine.config
     dtype_bytes = 2 if engine.ops.name == "cuda" else 4
+    kv_bytes_each = kv_item_bytes(engine.ops.name, cfg.kv_cache_dtype)
     kv_tokens = runner.num_blocks * cfg.block_size
     tp = cfg.tensor_parallel_size  # KV bytes over all ranks (a KV head may live on several)
-    kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp) * tp
+    kv_bytes = runner.num_blocks * Transformer.kv_bytes_per_block(mc, cfg.block_size, kv_bytes_each, tp) * tp
     ranks = f", {tp} tensor-parallel ranks" if tp > 1 else ""
     if runner.use_graphs:
         graphs = (f"{len(runner.graphs)} decode graphs ({len(runner.graph_sizes)} batch sizes) and "
@@ -105,8 +116,8 @@ def startup_lines(engine: Any, seconds: float, defaults: SamplingDefaults | None
         f"{mc.dtype} checkpoint",
         _weights_line(mc, runner.fp8, dtype_bytes),
         f"KV cache: {runner.num_blocks} blocks of {cfg.block_size} tokens = {kv_tokens} tokens, "
-        f"{_bytes(kv_bytes)}; maximum concurrency at {engine.max_model_len} tokens per request: "
-        f"{kv_tokens / engine.max_model_len:.2f}x",
+        f"{_bytes(kv_bytes)}{_kv_dtype(cfg.kv_cache_dtype, runner)}; maximum concurrency at "
+        f"{engine.max_model_len} tokens per request: {kv_tokens / engine.max_model_len:.2f}x",
         f"scheduling: {cfg.scheduling_policy}, up to {cfg.max_num_seqs} sequences and "
         f"{cfg.max_num_batched_tokens} tokens a step, async scheduling "
         f"{'on' if engine.depth == 2 else 'off'}",

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vt.config import kv_cache_dtype_of
 from vt.http.api_options import ApiOptions
 from vt.http.cors import CorsPolicy
 from vt.http.reasoning import PARSERS as REASONING_PARSERS
@@ -90,8 +91,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="fp8 weights (Hopper): fp8 quantizes a bf16 checkpoint's projections at load, one "
                         "scale per output channel; an FP8 checkpoint (quant_method fp8 or "
                         "compressed-tensors) is served as stored without the flag")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto}",
-                   help="the KV cache's element type: auto = the model's (bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,fp8_e4m3}",
+                   help="the KV cache's element type: auto = the model's (bf16); fp8 (= fp8_e4m3) stores "
+                        "e4m3 codes with a per-layer scale (the checkpoint's k_scale / v_scale, else 1.0), "
+                        "twice the tokens in the same memory")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder (or cached Hugging Face id) of the tokenizer to use: its tokenizer.json, "
                         "tokenizer_config.json and chat template (default: the model's own)")
@@ -170,9 +173,10 @@ def check_model_flags(args: argparse.Namespace) -> list[str]:
                         "bfloat16")
     if args.tensor_parallel_size < 1:
         raise FlagError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
-    if args.kv_cache_dtype != "auto":
-        raise FlagError(f"--kv-cache-dtype {args.kv_cache_dtype}: vt keeps the KV cache in the model's "
-                        "dtype for now; use --kv-cache-dtype auto")
+    try:
+        kv_cache_dtype_of(args.kv_cache_dtype)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     if args.load_format not in LOAD_FORMATS_HONOURED:
         why = _LOAD_FORMATS_REFUSED.get(args.load_format, "vt reads safetensors weights only")
         raise FlagError(f"--load-format {args.load_format}: {why}; use --load-format auto or safetensors")

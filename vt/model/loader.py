@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -132,6 +133,39 @@ def _is_stored_fp8(name: str, fp8: Fp8Format | None) -> bool:
     return fp8 is not None and not fp8.online and any(name.endswith(f".{p}.weight") for p in PROJECTIONS)
 
 
+# Where checkpoints keep a layer's KV cache scales (vLLM reads these names): the attention's own
+# k_scale / v_scale, under attn. too, compressed-tensors' k_proj / v_proj output_scale, and the
+# older single kv_scale for both.
+_KV_SCALE_NAMES = {
+    "k_scale": ("self_attn.k_scale", "self_attn.attn.k_scale", "self_attn.k_proj.output_scale",
+                "self_attn.kv_scale"),
+    "v_scale": ("self_attn.v_scale", "self_attn.attn.v_scale", "self_attn.v_proj.output_scale",
+                "self_attn.kv_scale"),
+}
+
+
+def kv_scale_name(layer: int, which: str) -> str:
+    """The name load_weights gives a layer's KV cache scale (which: "k_scale" | "v_scale")."""
+    return f"model.layers.{layer}.self_attn.{which}"
+
+
+def _kv_scales(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The checkpoint's per-tensor KV cache scales as float32 scalars under kv_scale_name, for the
+    layers that carry them (an fp8 KV cache stores x / scale; none: scale 1.0)."""
+    out: dict[str, np.ndarray] = {}
+    for i in range(cfg.num_layers):
+        for which, names in _KV_SCALE_NAMES.items():
+            name = next((f"model.layers.{i}.{n}" for n in names if f"model.layers.{i}.{n}" in tensors), None)
+            if name is None:
+                continue
+            t = np.asarray(tensors[name], dtype=np.float32)
+            if t.size != 1 or not np.isfinite(t).all() or float(t.reshape(())) <= 0:
+                raise CheckpointError(f"tensor {name!r}: a KV cache scale is one positive number, found "
+                                      f"shape {t.shape}")
+            out[kv_scale_name(i, which)] = t.reshape(())
+    return out
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig,
                  fp8: Fp8Format | None = None, lm_head: bool = True) -> dict[str, np.ndarray]:
     """Every tensor the forward needs, checked against the config, as memory-mapped host arrays
@@ -139,7 +173,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig,
     projection weights are e4m3 and each comes with its scale (`<projection>.<scale_name>`, read
     as vt.model.quantization.stored_scale gives it: f32 per channel or per 128x128 block).
     Tensors saved without the `model.` prefix (a bare base model, as Qwen3Model saves them) are
-    read under it; lm_head False (an embedding model): no lm_head is read."""
+    read under it; lm_head False (an embedding model): no lm_head is read. A layer's KV cache
+    scales, where the checkpoint has them, come as float32 scalars under kv_scale_name."""
     model_dir = Path(model_dir)
     tensors: dict[str, np.ndarray] = {}
     for file in _checkpoint_files(model_dir):
@@ -170,4 +205,5 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig,
         elif t.dtype not in (_DTYPES[d] for d in _WEIGHT_DTYPES):
             raise CheckpointError(f"tensor {name!r}: expected a bf16/f16/f32 tensor, found {t.dtype}")
         out[name] = t
+    out.update(_kv_scales(tensors, cfg))
     return out

@@ -17,6 +17,12 @@ With fp8 weights (vt.model.quantization) the norms are not folded: a projection'
 norm's output quantized per token (and per 128 columns for block-scaled weights) in the norm's
 own kernel (rms_norm_quant), SiLU-mul quantizes what it writes, and the attention output is
 quantized before o_proj; the GEMMs run on fp8 operands with fp32 accumulation.
+
+With an fp8 KV cache (--kv-cache-dtype fp8) each layer's cache holds e4m3 codes of k / k_scale
+and v / v_scale, per-tensor scales that are the checkpoint's (k_scale / v_scale) or 1.0, as vLLM
+applies them: the prologue quantizes as it writes, attention reads code * scale. The scales are
+Python floats fixed at load, passed to the ops as arguments (kernel scalars on CUDA, so captured
+graphs hold them), never read from device memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from vt.kernels.base import Array, Backend
 from vt.kernels.quantized import Fp8Weight
 from vt.kernels.rank_group import rank_count
 from vt.model.batch import ForwardBatch
+from vt.model.loader import kv_scale_name
 from vt.model.quantization import Fp8Format, QuantizationError, concat_scales
 from vt.model.shard import TensorSplit, concat_rows
 
@@ -52,12 +59,28 @@ class _Layer:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], ops: Backend,
-                 tensor_parallel_size: int = 1, fp8: Fp8Format | None = None, lm_head: bool = True) -> None:
+                 tensor_parallel_size: int = 1, fp8: Fp8Format | None = None, lm_head: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         """tensor_parallel_size > 1: ops is a rank group of that size (vt.kernels.rank_group) and
         each rank gets its shard of every split tensor (vt.model.shard); dims below are a rank's.
         fp8: the projections' fp8 format (weights as vt.model.loader.load_weights read them).
-        lm_head False: the decoder without its head (an embedding model: norm_rows, no logits)."""
+        lm_head False: the decoder without its head (an embedding model: norm_rows, no logits).
+        kv_cache_dtype: "auto" (the cache in act dtype) or "fp8" (e4m3 codes, each layer's
+        scales from the checkpoint's k_scale / v_scale tensors, else 1.0)."""
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto' or 'fp8'")
         self.cfg = cfg
+        self.kv_cache_dtype = kv_cache_dtype
+        # (k_scale, v_scale) per layer; an act cache ignores them, as vLLM ignores a checkpoint's
+        # scales without an fp8 cache.
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * cfg.num_layers
+        self.kv_scales_from_checkpoint = False
+        if kv_cache_dtype == "fp8":
+            self.kv_scales = [(float(weights.get(kv_scale_name(i, "k_scale"), 1.0)),
+                               float(weights.get(kv_scale_name(i, "v_scale"), 1.0)))
+                              for i in range(cfg.num_layers)]
+            self.kv_scales_from_checkpoint = any(kv_scale_name(i, x) in weights for i in range(cfg.num_layers)
+                                                 for x in ("k_scale", "v_scale"))
         self.ops = ops
         self.fp8 = fp8
         if fp8 is not None and tensor_parallel_size > 1:
@@ -142,12 +165,12 @@ class Transformer:
     # ---- KV cache --------------------------------------------------------------------------
     def allocate_kv(self, num_blocks: int, block_size: int) -> list[tuple[Array, Array]]:
         """One (k_cache, v_cache) pair per layer, each act[num_blocks, block_size, Hk, D] (Hk: the
-        KV heads of one rank)."""
+        KV heads of one rank), or fp8 codes of that shape with an fp8 KV cache."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         shape = (num_blocks, block_size, self.split.kv_heads, self.cfg.head_dim)
-        zeros = self.ops.zeros
-        return [(zeros(shape, "act"), zeros(shape, "act")) for _ in range(self.cfg.num_layers)]
+        zeros, dtype = self.ops.zeros, "fp8" if self.kv_cache_dtype == "fp8" else "act"
+        return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(self.cfg.num_layers)]
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int,
@@ -180,11 +203,11 @@ class Transformer:
         r = ops.embed(batch.input_ids, self.embed)
         start = _arena_mark(ops)
         group = None if self.fp8 is None else self.fp8.activation_group
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for layer, (k_cache, v_cache), kv_scales in zip(self.layers, kv, self.kv_scales, strict=True):
             if start is not None:
                 ops.arena_reset(start)
             if self.fp8 is not None:
-                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, attention, group)
+                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention, group)
                 continue
             qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
@@ -192,17 +215,18 @@ class Transformer:
             v = qkv[:, k_end:].reshape(t, hk, d)
             ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions,
                                       self.inv_freq, k_cache, v_cache, batch.slot_mapping,
-                                      rms_of=r, bias=layer.qkv_bias)
+                                      rms_of=r, bias=layer.qkv_bias, kv_scales=kv_scales)
             o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                           self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
-                          follows_kv_write=True)
+                          follows_kv_write=True, kv_scales=kv_scales)
             ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
             gate_up = ops.linear(r, layer.gate_up, None)
             ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
         return r
 
     def _fp8_layer_forward(self, layer: _Layer, r: Array, batch: ForwardBatch, k_cache: Array, v_cache: Array,
-                           attention: Callable[..., Array], group: int | None) -> None:
+                           kv_scales: tuple[float, float], attention: Callable[..., Array],
+                           group: int | None) -> None:
         """One layer on fp8 weights, the residual stream r updated in place."""
         cfg, ops = self.cfg, self.ops
         t = batch.input_ids.shape[0]
@@ -214,10 +238,11 @@ class Transformer:
         k = qkv[:, q_end:k_end].reshape(t, hk, d)
         v = qkv[:, k_end:].reshape(t, hk, d)
         ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
-                                  k_cache, v_cache, batch.slot_mapping, rms_of=None, bias=layer.qkv_bias)
+                                  k_cache, v_cache, batch.slot_mapping, rms_of=None, bias=layer.qkv_bias,
+                                  kv_scales=kv_scales)
         o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                       self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
-                      follows_kv_write=True)
+                      follows_kv_write=True, kv_scales=kv_scales)
         ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r)
         gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None)
         ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r)

@@ -50,7 +50,8 @@ class LayerGraphs:
 
     size: int
     graphs: list[Any]
-    attention: list[tuple[Any, Any, Any, Any]]  # (q, k_cache, v_cache, out) per layer
+    # (q, k_cache, v_cache, out, kv_scales) per layer
+    attention: list[tuple[Any, Any, Any, Any, tuple[float, float]]]
     hidden: Any                                 # the residual stream the last graph leaves
     high: int                                   # arena bytes the graphs' buffers take
 
@@ -144,7 +145,7 @@ class StepGraphs:
 
     def _capture_layers(self, slot: int, size: int) -> LayerGraphs:
         buf, ops = self.slots[slot], self.ops
-        attention: list[tuple[Any, Any, Any, Any]] = []
+        attention: list[tuple[Any, Any, Any, Any, tuple[float, float]]] = []
         hidden: list[Any] = []
         # Only the per-token inputs are read inside the layer graphs; the rest goes to attention.
         fb = ForwardBatch(
@@ -154,9 +155,10 @@ class StepGraphs:
             logits_indices=buf.logits_indices[1][:1], max_query_len=size, max_seq_len=self.max_model_len)
 
         def run(cut: Callable[[], None]) -> None:
-            def attend(q: Any, k_cache: Any, v_cache: Any, *_: Any, **__: Any) -> Any:
+            def attend(q: Any, k_cache: Any, v_cache: Any, *_: Any,
+                       kv_scales: tuple[float, float] = (1.0, 1.0), **__: Any) -> Any:
                 out = ops.scratch(q.shape, "act")
-                attention.append((q, k_cache, v_cache, out))
+                attention.append((q, k_cache, v_cache, out, kv_scales))
                 cut()
                 return out
             hidden.append(self.model.hidden(fb, self.kv, attend))
@@ -189,10 +191,11 @@ class StepGraphs:
                            staged.max_blocks, staged.max_query_len, staged.max_seq_len, staged.num_decodes)
         ops.arena_reserve(layers.high)
         layers.graphs[0].replay()
-        for (q, k_cache, v_cache, out), graph in zip(layers.attention, layers.graphs[1:], strict=True):
+        for (q, k_cache, v_cache, out, kv_scales), graph in zip(layers.attention, layers.graphs[1:],
+                                                                strict=True):
             ops.attention(q[:num_tokens], k_cache, v_cache, fb.query_start_loc, fb.seq_lens, fb.block_tables,
                           self.model.scale, staged.max_query_len, staged.max_seq_len, out=out[:num_tokens],
-                          decode_seqs=fb.num_decodes)
+                          decode_seqs=fb.num_decodes, kv_scales=kv_scales)
             graph.replay()
         return layers.hidden, fb
 

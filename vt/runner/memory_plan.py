@@ -164,12 +164,21 @@ def reserve_step_memory(ops: Backend, cfg: EngineConfig, plan: StepMemory) -> No
                                  f"--max-num-batched-tokens or --max-num-seqs") from None
 
 
+def kv_item_bytes(backend: str, kv_cache_dtype: str) -> int:
+    """Bytes of one cached K or V element: an e4m3 code with --kv-cache-dtype fp8, else the
+    backend's activation (bf16 on CUDA, float32 on numpy)."""
+    if kv_cache_dtype == "fp8":
+        return 1
+    return ACT_BYTES if backend == "cuda" else 4
+
+
 def kv_cache_blocks(ops: Backend, cfg: EngineConfig, mc: ModelConfig, max_model_len: int) -> int:
     """KV blocks: explicit (--num-gpu-blocks, --kv-cache-memory) or what the device has left
-    within --gpu-memory-utilization once weights, step memory and sampler rows are taken."""
+    within --gpu-memory-utilization once weights, step memory and sampler rows are taken.
+    An fp8 cache's blocks take half a bf16 one's bytes, so the same memory holds twice the blocks."""
     tp = cfg.tensor_parallel_size  # the budget and the block sizes are one rank's
     max_blocks = -(-max_model_len // cfg.block_size)  # one sequence of max_model_len
-    dtype_bytes = 2 if ops.name == "cuda" else 4
+    dtype_bytes = kv_item_bytes(ops.name, cfg.kv_cache_dtype)
     per_block = Transformer.kv_bytes_per_block(mc, cfg.block_size, dtype_bytes, tp)
     if cfg.num_gpu_blocks is not None:
         if cfg.num_gpu_blocks < 1:
@@ -184,7 +193,7 @@ def kv_cache_blocks(ops: Backend, cfg: EngineConfig, mc: ModelConfig, max_model_
         budget = int(free - total * (1.0 - cfg.gpu_memory_utilization) - graphs)
     else:
         # CPU: enough for every sequence at full length, capped at 1 GiB but never below one.
-        need = cfg.max_num_seqs * max_model_len * Transformer.kv_bytes_per_block(mc, 1, 4, tp)
+        need = cfg.max_num_seqs * max_model_len * Transformer.kv_bytes_per_block(mc, 1, dtype_bytes, tp)
         budget = max(min(need, 1024**3), max_blocks * per_block)
     # More blocks than every sequence at full length (twice, for prefix-cache reuse) buys
     # nothing but a longer free list.

@@ -210,7 +210,7 @@ class ModelRunner:
         self.fp8 = resolve_quantization(checkpoint_format(model_cfg.quantization_config), cfg.quantization)
         weights = load_weights(cfg.model, model_cfg, self.fp8, pooling is None)  # lm_head: not for pooling
         self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size, self.fp8,
-                                 lm_head=pooling is None)
+                                 lm_head=pooling is None, kv_cache_dtype=cfg.kv_cache_dtype)
         del weights
         self.max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.max_seqs = cfg.max_num_seqs
