@@ -9,8 +9,8 @@ in one captured graph, the weight rotating through copies so every call reads it
 of REPLAYS replays; the backend's gemv_max_tokens switches between the two paths. Each line: us a
 call on either path, and the GEMV's weight bytes a second as a share of the card's copy bandwidth
 (measured here with a device-to-device copy).
---sweep UxB,... recompiles gemv.cu with GEMV_UNROLL=U and GEMV_MIN_BLOCKS=B for each pair and
-times each build's GEMV (cuBLAS once, beside the first).
+--sweep UxB,... recompiles gemv.cu with GEMV_UNROLL_BF16 = GEMV_UNROLL_FP8 = U and GEMV_MIN_BLOCKS = B
+for each pair and times each build's GEMV (cuBLAS once, beside the first).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def build(unroll: int, min_blocks: int):
     from vt.kernels.sources import translation_unit
 
     return cupy.RawModule(code=translation_unit("gemv.cu"), options=(
-        "-std=c++17", f"-DGEMV_UNROLL={unroll}", f"-DGEMV_MIN_BLOCKS={min_blocks}"))
+        "-std=c++17", f"-DGEMV_UNROLL_BF16={unroll}", f"-DGEMV_UNROLL_FP8={unroll}",
+        f"-DGEMV_MIN_BLOCKS={min_blocks}"))
 
 
 def use_build(cb, unroll: int, min_blocks: int) -> None:

@@ -1,7 +1,7 @@
 // Decode GEMVs: 1-16 tokens against a row-major weight, bf16 or fp8 (e4m3 with scales). At a few
 // rows a projection is a stream of its weight, and cuBLAS' kernels read it at 60-80% of copy
 // bandwidth at some shapes (bench/NOTES_CUDA.md); here each block owns 16 weight rows and its 8
-// warps split k, each warp keeping GEMV_UNROLL 16-byte loads of both row halves in flight.
+// warps split k, each warp keeping GEMV_UNROLL_* 16-byte loads of both row halves in flight.
 //
 // The products run on mma.sync with the weight rows as A (16 rows) and the tokens as B (8 a tile),
 // so nothing is converted by hand. A chunk is 64 bytes of a row: lane l (g = l / 4, l4 = l % 4)
@@ -17,10 +17,15 @@
 
 #define GEMV_WARPS 8
 #define GEMV_ROWS 16
-// Chunks a warp loads before it computes, and the blocks an SM should hold (registers permitting);
-// bench/probes/gemv.py --sweep compiles other values.
-#ifndef GEMV_UNROLL
-#define GEMV_UNROLL 4
+// Chunks a warp loads before it computes (bf16, fp8), and the blocks an SM should hold (registers
+// permitting). H100, 8B shapes, 1 and 8 tokens (bench/probes/gemv.py --sweep, 2026-12-06): bf16 8
+// beat 4 by ~1 us on each of qkv, o_proj and down; fp8 at 2, 4 or 8 with 2 blocks an SM were
+// within the run-to-run spread (1-2 us), 8 with 1 block lost 2-10 us. --sweep compiles others.
+#ifndef GEMV_UNROLL_BF16
+#define GEMV_UNROLL_BF16 8
+#endif
+#ifndef GEMV_UNROLL_FP8
+#define GEMV_UNROLL_FP8 4
 #endif
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
@@ -34,7 +39,7 @@ struct GemvScales {  // fp8 only; all null for bf16
     int block;
 };
 
-template <int TILES, bool FP8>
+template <int TILES, bool FP8, int UNROLL>
 __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long long x_row_bytes,
                                      const unsigned char* __restrict__ w, long long w_row_bytes,
                                      GemvScales sc, const bf16_t* __restrict__ bias, bf16_t* __restrict__ y,
@@ -51,9 +56,9 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
     float acc[TILES][4];
     for (int j = 0; j < TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    uint4 a[GEMV_UNROLL], b[GEMV_UNROLL];
+    uint4 a[UNROLL], b[UNROLL];
     auto load_weights = [&](int c0) {
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const bool in = c0 + u < chunks;
             a[u] = in ? wa[(c0 + u) * 4] : zero;
             b[u] = in ? wb[(c0 + u) * 4] : zero;
@@ -62,19 +67,19 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
     // Launched as a programmatic dependent, the kernel starts while the one before (the norm,
     // SiLU-mul or quantization that makes x) still runs: the weights do not come from it, so the
     // first round of them streams in before the wait.
-    const int first = warp * GEMV_UNROLL;
+    const int first = warp * UNROLL;
     grid_dependents_go();  // the next layer's GEMV (bf16: x is the residual stream) may start too
     load_weights(first);
     grid_dependency_wait();
-    for (int c0 = first; c0 < chunks; c0 += GEMV_WARPS * GEMV_UNROLL) {
+    for (int c0 = first; c0 < chunks; c0 += GEMV_WARPS * UNROLL) {
         if (c0 != first) load_weights(c0);
-        uint4 xv[TILES][GEMV_UNROLL];
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        uint4 xv[TILES][UNROLL];
+        for (int u = 0; u < UNROLL; ++u) {
             for (int j = 0; j < TILES; ++j) {
                 xv[j][u] = c0 + u < chunks && g + 8 * j < tokens ? xr[j][(c0 + u) * 4] : zero;
             }
         }
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u;
             if (c >= chunks) break;
             const unsigned int lo[4] = {a[u].x, b[u].x, a[u].y, b[u].y};
@@ -125,8 +130,8 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
         bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
-        gemv<TILES, true>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, y, ldy, tokens,  \
-                          n, k / 64, accumulate);                                                          \
+        gemv<TILES, true, GEMV_UNROLL_FP8>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, \
+                                           y, ldy, tokens, n, k / 64, accumulate);                         \
     }
 GEMV_FP8_ENTRY(gemv_fp8_8_k, 1)
 GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
@@ -138,10 +143,10 @@ GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
         const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                               \
         const bf16_t* __restrict__ bias, bf16_t* __restrict__ y, int ldy, int tokens, int n, int k,        \
         int accumulate) {                                                                                  \
-        gemv<TILES, false>(reinterpret_cast<const unsigned char*>(x), 2LL * ldx,                          \
-                           reinterpret_cast<const unsigned char*>(w), 2LL * k,                            \
-                           GemvScales{nullptr, 0, nullptr, 0, 0}, bias, y, ldy, tokens, n, k / 32,        \
-                           accumulate);                                                                    \
+        gemv<TILES, false, GEMV_UNROLL_BF16>(reinterpret_cast<const unsigned char*>(x), 2LL * ldx,         \
+                                             reinterpret_cast<const unsigned char*>(w), 2LL * k,           \
+                                             GemvScales{nullptr, 0, nullptr, 0, 0}, bias, y, ldy, tokens,  \
+                                             n, k / 32, accumulate);                                       \
     }
 GEMV_BF16_ENTRY(gemv_bf16_8_k, 1)
 GEMV_BF16_ENTRY(gemv_bf16_16_k, 2)
