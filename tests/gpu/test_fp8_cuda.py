@@ -181,7 +181,7 @@ def test_fp8_model_on_cuda_tracks_the_numpy_fp8_model(block_checkpoint, tmp_path
     assert agreement >= 0.7 and kl < MAX_KL and rel < MAX_REL, (agreement, kl, rel)
 
 
-@pytest.mark.parametrize("quantization", ["fp8-block", "fp8-channel", "online"])
+@pytest.mark.parametrize("quantization", ["fp8-block", "fp8-channel", "online", "online-kv8"])
 def test_fp8_engine_tokens_equal_across_depths_and_graphs(tmp_path, quantization):
     """Greedy tokens at depth 1 and 2, eager and with graphs, with preemption. The batches differ
     between the runs, so cuBLASLt may pick other kernels (other fp32 sum orders) for a step: a
@@ -191,17 +191,18 @@ def test_fp8_engine_tokens_equal_across_depths_and_graphs(tmp_path, quantization
     from vt.model.make_model import make_model
     from vt.sampling_params import SamplingParams
 
-    ckpt = make_model(tmp_path / "m", preset="tiny128", seed=5,
-                      quantization=None if quantization == "online" else quantization)
-    flag = "fp8" if quantization == "online" else None
+    online = quantization.startswith("online")
+    ckpt = make_model(tmp_path / "m", preset="tiny128", seed=5, quantization=None if online else quantization)
+    flag = "fp8" if online else None
+    kv = "fp8" if quantization.endswith("kv8") else "auto"  # the fp8 KV cache: e4m3 codes, scale 1
     rng = np.random.default_rng(6)
     prompts = [rng.integers(5, 900, size=n).tolist() for n in (3, 17, 40, 5, 90, 2, 33, 8)] * 2
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = []
     for async_scheduling, eager in ((False, True), (True, True), (True, False)):
         with LLM(str(ckpt), device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
-                 enforce_eager=eager, quantization=flag, num_gpu_blocks=24, max_model_len=256,
-                 max_num_batched_tokens=64) as llm:
+                 enforce_eager=eager, quantization=flag, kv_cache_dtype=kv, num_gpu_blocks=24,
+                 max_model_len=256, max_num_batched_tokens=64) as llm:
             outs.append([c.token_ids for c in llm.generate(prompts, params)])
             assert llm.engine.scheduler.kv_usage == 0.0
     for other in outs[1:]:
