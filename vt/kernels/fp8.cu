@@ -84,8 +84,7 @@ __device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q
 // q[r, :k], scale <- x[r, :k] (row stride ld). Grid: rows.
 extern "C" __global__ void quantize_rows_k(const bf16_t* __restrict__ x, long long ld, unsigned char* __restrict__ q,
                                            float* __restrict__ scale, int k, int group, int scale_ld) {
-    grid_dependents_go();    // the GEMV after this may start streaming its weights
-    grid_dependency_wait();  // launched behind a GEMV (a decode step's), x is that GEMV's output
+    grid_dependents_go();  // the GEMV after this may start streaming its weights
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const RowSource src{x + (size_t)row * ld, nullptr, nullptr, 1.f};
@@ -97,8 +96,7 @@ extern "C" __global__ void quantize_rows_k(const bf16_t* __restrict__ x, long lo
 extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const bf16_t* __restrict__ weight,
                                             float eps, unsigned char* __restrict__ q, float* __restrict__ scale,
                                             int k, int group, int scale_ld) {
-    grid_dependents_go();    // the GEMV after this may start streaming its weights
-    grid_dependency_wait();  // launched behind a GEMV (a decode step's), x is that GEMV's output
+    grid_dependents_go();  // the GEMV after this may start streaming its weights
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * k;
@@ -109,8 +107,7 @@ extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const 
 // down_proj's input: q, scale <- silu(x[r, :inter]) * x[r, inter:]. Grid: rows.
 extern "C" __global__ void silu_mul_quant_k(const bf16_t* __restrict__ x, unsigned char* __restrict__ q,
                                             float* __restrict__ scale, int inter, int group, int scale_ld) {
-    grid_dependents_go();    // the GEMV after this may start streaming its weights
-    grid_dependency_wait();  // launched behind a GEMV (a decode step's), x is that GEMV's output
+    grid_dependents_go();  // the GEMV after this may start streaming its weights
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * 2 * inter;

@@ -95,7 +95,7 @@ class Fp8Ops(CudaCore):
         a = self._activation(t, k, group)
         if t:
             args = (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0]))
-            self._launch_behind_gemv("rms_norm_quant_k", t, (t,), (_THREADS,), args)
+            self._launch("rms_norm_quant_k", (t,), (_THREADS,), args)
         return a
 
     def silu_mul_quant(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
@@ -108,18 +108,8 @@ class Fp8Ops(CudaCore):
         a = self._activation(t, inter, group)
         if t:
             args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(a.q.shape[0]))
-            self._launch_behind_gemv("silu_mul_quant_k", t, (t,), (_THREADS,), args)
+            self._launch("silu_mul_quant_k", (t,), (_THREADS,), args)
         return a
-
-    def _launch_behind_gemv(self, name: str, rows: int, grid: tuple[int, ...], block: tuple[int, ...],
-                            args: tuple) -> None:
-        """A kernel whose input a GEMV wrote (steps of up to gemv_max_tokens rows): launched as its
-        dependent, so its blocks are in place when the GEMV's last ones end (gemv.cu lets them
-        start early; the kernel waits before it reads)."""
-        if rows <= self.gemv_max_tokens:
-            self._launch_after(name, grid, block, args)
-        else:
-            self._launch(name, grid, block, args)
 
     # ---- GEMMs ------------------------------------------------------------------------------
     def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: cupy.ndarray | None) -> cupy.ndarray:

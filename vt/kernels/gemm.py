@@ -18,9 +18,9 @@ COLUMN_MAJOR_MIN_ASPECT = 4
 # gemv.cu: a block's weight rows and threads, and the most tokens it takes (two tiles of 8).
 GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, 16
 # Steps of up to this many tokens take the GEMV by default. Measured on an H100 (bench/probes/gemv.py,
-# 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; the two-tile
-# kernel (9-16 tokens, 122 registers, two blocks an SM) loses on fp8 qkv and gate_up.
-GEMV_MAX_TOKENS = 8
+# 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; at 9-16 (the
+# two-tile kernel) it wins on o_proj and down and loses on fp8 qkv and gate_up, about even a layer.
+GEMV_MAX_TOKENS = 16
 _i32 = np.int32
 
 
