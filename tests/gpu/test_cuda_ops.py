@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vt.kernels import numpy_sampling
-from vt.kernels.attention_plan import PREFILL_TILINGS
+from vt.kernels.attention_plan import FALLBACK_PREFILL_TILING, KV8_SUFFIX, PREFILL_TILINGS
 from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
@@ -1202,17 +1202,32 @@ def test_attention_reads_fp8_codes_times_scale(cb, nb, rng, q_lens, ctx_lens, hq
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d", [
     ([2048], [2048], 32, 8, 128),  # one long prompt
     ([64, 200], [3000, 200], 32, 8, 128),  # split keys
+    ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # chunked prefill beside a decode, partial tiles
     ([37, 5], [900, 5], 16, 2, 64),  # head dim 64, group 8
 ])
-def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d):
-    """Every requested tiling serves an fp8 cache: its own _kv8 kernels, or (wgmma's) the fallback's."""
+def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d, monkeypatch):
+    """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90), or (the
+    other wgmma tilings', a head dim it lacks) the fallback's."""
     q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d)
     scale = d**-0.5
     ref = nb.attention(q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens),
                        kv_scales=FP8_SCALES)
+    launched: list[str] = []
+    launch = cb._launch
+
+    def recording_launch(name, *args, **kwargs):
+        launched.append(name)
+        launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(cb, "_launch", recording_launch)
     previous = cb.prefill_tiling
     try:
         cb.use_prefill_tiling(tiling, strict=False)
+        t = PREFILL_TILINGS[cb.prefill_tiling]  # the fallback where sm_90a kernels do not build
+        if t.kv8_smem is None or d not in t.head_dims:
+            t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
+        expected = t.kernel.format(d=d) + KV8_SUFFIX
+        poison(cb)
         with cb.slot(0):
             dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
             out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max(q_lens),
@@ -1220,5 +1235,6 @@ def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_l
             got = cb.to_host(out)
     finally:
         cb.use_prefill_tiling(previous)
+    assert expected in launched, launched
     assert rel_err(got, ref) < BF16_TOL
 

@@ -224,15 +224,15 @@ KV8_SCALES = (0.025, 0.04)  # keys and values of about unit size from codes span
         ([3, 4, 1, 2], [40, 130, 77, 2], 4, 2, 128, "decode8"),  # several tokens a tile, causal
         ([1, 1, 1], [64, 65, 130], 16, 1, 64, "decode"),  # group 16, keys on and past tile edges
         ([4, 1, 2], [30, 100, 70], 16, 4, 128, "decode"),  # 16-row tiles
-        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128, "prefill_kv8"),  # prompt, decode, chunk: r64
-        ([70, 33], [70, 100], 4, 4, 64, "prefill_kv8"),  # head dim 64, multi-tile prompt
+        ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128, "wgr_d128_prefill_kv8"),  # prompt, decode, chunk
+        ([70, 33], [70, 100], 4, 4, 64, "tc_d64_prefill_kv8"),  # head dim 64, multi-tile prompt: r64
     ],
 )
 @pytest.mark.parametrize("late", [True, False], ids=["late", "early"])
 def test_fp8_kv_tensor_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, kernel, late):
     """The _kv8 kernels read e4m3 codes as code * scale, the numpy twin's fp8 cache: the codes
-    widen to bf16 exactly, so the bf16 cache's tolerance holds. The default prompt tiling (wgmma)
-    has no fp8 kernels: prompts take the fallback's."""
+    widen to bf16 exactly, so the bf16 cache's tolerance holds. Prompts run the default tiling's
+    fp8 kernel (wgr's) at head dim 128, the fallback's at 64."""
     rng = np.random.default_rng(len(q_lens) * 100 + sum(ctx_lens))
     name = _check(sim, rng, q_lens, ctx_lens, hq, hk, d, late=late, kv_scales=KV8_SCALES)
     assert name.endswith("_" + kernel + ("" if kernel.endswith("_kv8") else "_kv8")), name
@@ -259,3 +259,41 @@ def test_fp8_kv_split_keys_and_cuda_cores_match_numpy(sim, q_lens, ctx_lens, hq,
     name = _check(sim, np.random.default_rng(d + splits), q_lens, ctx_lens, hq, hk, d, splits=splits,
                   kv_scales=KV8_SCALES)
     assert name.endswith("_kv8")
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,splits", [
+    ([60, 9], [260, 140], 8, 2, 3),  # split keys: v_scale on the partials
+    ([40, 1], [250, 90], 8, 2, 2),  # a split past the keys: no tile, one zero P V
+    ([33, 1, 90], [97, 5, 90], 16, 2, 1),  # group 8, a decode row among prompts, partial tiles
+    ([300], [300], 32, 8, 1),  # Qwen3-8B's heads: warpgroups at different causal limits
+])
+def test_fp8_kv_wgr_matches_numpy(sim, q_lens, ctx_lens, hq, hk, splits):
+    """wgr's fp8 kernel (the default prompt tiling on sm_90) on the shapes the other prompt cases
+    use: its fp8 stages converted into the swizzled bf16 tiles the wgmma products read."""
+    name = _check(sim, np.random.default_rng(23 + splits), q_lens, ctx_lens, hq, hk, 128, splits=splits,
+                  tiling="wgr", kv_scales=KV8_SCALES)
+    assert name == "attention_wgr_d128_prefill_kv8"
+
+
+@pytest.mark.parametrize("late,order", [(True, 0), (False, 0), (False, 1), (False, 2)],
+                         ids=["late", "early", "early-low-first", "early-high-first"])
+def test_fp8_kv_wgr_over_many_key_tiles(sim, late, order):
+    """Seven 128-key tiles, so that every fp8 stage is refilled and every bf16 tile converted
+    several times: a conversion before its copy landed shows when copies land late, a stage
+    refilled or a tile overwritten while still read when they land at issue or one warp runs
+    ahead."""
+    _check(sim, np.random.default_rng(29), [40, 3], [900, 700], 8, 2, 128, tiling="wgr", late=late,
+           order=order, kv_scales=KV8_SCALES)
+
+
+def test_fp8_kv_wgr_plan_short_of_shared_memory_fails_the_launch(sim):
+    """attention_plan.wgr_smem(kv8=True) is what the fp8 kernel writes: 4 KB less fails."""
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(np.random.default_rng(1), [150], [150], 8, 2, 128, 16)
+    kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
+    plan = attention_kernel(4, 150, 128, prefill="wgr", kv8=True)
+    assert plan.name == "attention_wgr_d128_prefill_kv8"
+    sim.launch(plan.name, (plan.row_tiles, 2, 1), plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table,
+               128**-0.5, 1, kv_scales=KV8_SCALES)
+    with pytest.raises(ValueError, match="wrote past"):
+        sim.launch(plan.name, (plan.row_tiles, 2, 1), plan.threads, plan.smem - 4096, q, kc, vc, qsl,
+                   seq_lens, table, 128**-0.5, 1, kv_scales=KV8_SCALES)

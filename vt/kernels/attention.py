@@ -108,7 +108,8 @@ class AttentionOps(CudaCore):
             module.load(cubin)
             self._arch_modules.append(module)  # functions live as long as their module
             smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for k in t.kernels()):
+            for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for kv8 in (False, True)
+                         for k in t.kernels(kv8)):
                 fn = module.get_function(name)
                 driver.funcSetAttribute(fn.ptr, smem_attr, _SM90_SMEM_MAX)
                 fns[name] = fn

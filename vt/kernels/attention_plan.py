@@ -37,13 +37,16 @@ def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int
             + stages * 64 * 4)
 
 
-def wgr_smem(stages: int = 3) -> int:
+def wgr_smem(stages: int = 3, kv8: bool = False) -> int:
     """Dynamic shared memory of attention_wg.cu's wgr block (head dim 128, 128 rows, 128-key
     tiles): the 1024-byte alignment pad, Q [2][128][128 B], per stage a swizzled K tile and a V
     tile stored like it ([2][128 keys][128 B] each), the cache row offsets of 128 keys a stage,
     and 16 bytes for the word the softmax's sums are stored to. Three stages come to 231,952
-    bytes, within Hopper's 232,448 a block."""
-    return 1024 + 2 * 128 * 128 + stages * (2 * 2 * 128 * 128 + 128 * 4) + 16
+    bytes, within Hopper's 232,448 a block. kv8 (an fp8 cache): one such bf16 K and V tile, the
+    products' converted copy, and per stage an fp8 K and V tile of 128 keys x 128 codes (199,184
+    bytes with three stages)."""
+    tiles = 2 * 2 * 128 * 128 + stages * 2 * 128 * 128 if kv8 else stages * 2 * 2 * 128 * 128
+    return 1024 + 2 * 128 * 128 + tiles + stages * 128 * 4 + 16
 
 
 class PrefillTiling(NamedTuple):
@@ -58,7 +61,7 @@ class PrefillTiling(NamedTuple):
     smem: Callable[[int], int]
     sm90_only: bool = False
     # shared memory of its fp8-KV-cache kernels (name + KV8_SUFFIX) for head dim d, or None where
-    # it has none (the wgmma tilings: an fp8 cache's prompts then run on the fallback tiling)
+    # it has none (wgmma's wg, wg3, wgp, wgv: an fp8 cache's prompts then run on the fallback tiling)
     kv8_smem: Callable[[int], int] | None = None
 
     def kernels(self, kv8: bool = False) -> list[str]:
@@ -94,7 +97,8 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgp": PrefillTiling("attention_wgp_d{d}_prefill", (128,), 128, 256, lambda d: wg_smem(2, 2, 2), True),
     "wgv": PrefillTiling("attention_wgv_d{d}_prefill", (128,), 128, 256,
                          lambda d: wg_smem(2, 3, 2, v_direct=True), True),
-    "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True),
+    "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
+                         kv8_smem=lambda d: wgr_smem(kv8=True)),
 }
 DEFAULT_PREFILL_TILING = "wgr"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
@@ -123,7 +127,7 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     warps sharing out the keys; the `prefill` tiling (PREFILL_TILINGS) otherwise. A K (or V)
     cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores.
     kv8: the cache holds e4m3 codes; the same choice among the kernels that read them (name +
-    KV8_SUFFIX), a prompt tiling without such kernels (wgmma's) taking the fallback's."""
+    KV8_SUFFIX), a prompt tiling without such kernels (wgmma's but wgr) taking the fallback's."""
     rows = max_query_len * group
     suffix = KV8_SUFFIX if kv8 else ""
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:

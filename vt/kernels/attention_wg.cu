@@ -307,17 +307,47 @@ ATTENTION_WG_ENTRY(attention_wgv_d128_prefill, 2, 3, true, true)
 // sm_90 block may have). A K or V half [128 keys][128 B] is K-major for S (n = key) and, for
 // P V, the N-major B of 64 dims: 8 keys of 128 B an atom, the next 8 keys 1024 bytes on, the
 // other 64 dims a half (16 KB, the leading offset) on; a k-step of 16 keys is 2048 bytes.
+//
+// KV8 (an fp8 cache of e4m3 codes, attention_tc.cu's KvPipe scheme): the same schedule lands the
+// codes in fp8 stages ([3][128 keys][128 B] for K, then V, unswizzled) and step t, after its
+// barrier, converts K(t) and V(t - 1) into the one bf16 K and V tile the products read (laid out
+// as above), then fences them for the async proxy and meets a second barrier. The products of
+// step t - 1 are retired by then, so one bf16 tile each suffices: Q, K, V (32 KB each), the fp8
+// stages (96 KB), the offsets and the sink, attention_plan.wgr_smem(kv8=True). Scales as in
+// attention_tc.cu: k_scale is in scale_log2, v_scale multiplies the output.
 
 #define WGR_KT 128                 // keys a tile
 #define WGR_HALF (WGR_KT * 128)    // a K or V tile's 64-dim half: [128 keys][128 B]
 #define WGR_TILE (2 * WGR_HALF)    // a K or V tile, 32 KB
+#define WGR_TILE8 (WGR_KT * WG_D)  // KV8: a K or V tile of e4m3 codes, 16 KB
 #define WGR_STAGES 3
 
+// KV8: the fp8 K or V tile at stage8 (generic pointer, [keys][128 codes]) into the swizzled bf16
+// tile at tile16, as 2048 16-byte chunks (8 dims each) of which this thread converts 8: keys
+// key0 + 16 i, the chunk's 8 codes one 8-byte load. The chunk's swizzled column depends on the
+// key only through key0 % 8, so every address is a constant offset from the first.
+template <int NT>
+__device__ __forceinline__ void wgr_convert_tile(unsigned char* tile16, const unsigned char* stage8, int tid) {
+    constexpr int CHUNKS = WG_D / 8;   // bf16 chunks of a key: 8 a 64-dim half
+    constexpr int KSTEP = NT / CHUNKS;
+    const int key0 = tid / CHUNKS, ch = tid % CHUNKS;
+    const unsigned char* src = stage8 + key0 * WG_D + ch * 8;
+    unsigned char* dst = tile16 + (ch / 8) * WGR_HALF + key0 * 128 + (((ch % 8) ^ (key0 & 7)) << 4);
+#pragma unroll
+    for (int i = 0; i < WGR_KT / KSTEP; ++i) {
+        const uint2 w = *reinterpret_cast<const uint2*>(src + i * KSTEP * WG_D);
+        const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
+        *reinterpret_cast<uint4*>(dst + i * KSTEP * 128) = make_uint4(a.x, a.y, b.x, b.y);
+    }
+}
+
+template <bool KV8>
 __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     constexpr int NT = 256, ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
     constexpr int Q_BYTES = 2 * ROWS * 128;
-    constexpr int PARTS = WG_D / 8;            // 16-byte pieces of a head row
-    constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8
+    constexpr int PARTS = KV8 ? WG_D / 16 : WG_D / 8;  // 16-byte pieces of a cached head row
+    constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8 (KV8 4)
+    constexpr int STAGE_BYTES = KV8 ? WGR_TILE8 : WGR_TILE;  // a K (or V) stage
     extern __shared__ __align__(16) unsigned char smem[];
 
     ATTN_BLOCK_LOCALS(ROWS, KT);
@@ -329,10 +359,15 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     unsigned char* gbase;
     const unsigned base = smem_base_1024(smem, gbase);
     const unsigned q_s = base;
-    const unsigned k_s = base + Q_BYTES;                // K stage s at k_s + s * WGR_TILE
-    const unsigned v_s = k_s + STAGES * WGR_TILE;       // V likewise
-    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + Q_BYTES + 2 * STAGES * WGR_TILE);
-    const unsigned sink = base + Q_BYTES + 2 * STAGES * WGR_TILE + STAGES * KT * 4;  // a word never read
+    // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: one each)
+    const unsigned k_s = base + Q_BYTES;
+    const unsigned v_s = k_s + (KV8 ? 1 : STAGES) * WGR_TILE;
+    // Where the copies land: those stages, or (KV8) the fp8 K stages, then V's
+    const unsigned kc_s = KV8 ? v_s + WGR_TILE : k_s;
+    const unsigned vc_s = KV8 ? kc_s + STAGES * WGR_TILE8 : v_s;
+    const unsigned off_at = vc_s + STAGES * STAGE_BYTES;
+    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (off_at - base));
+    const unsigned sink = off_at + STAGES * KT * 4;  // a word never read
     const int* table = block_tables + (size_t)b * max_blocks;
 
     const int ra = row0 + wg * 64 + warp * 16 + g, rb = ra + 8;
@@ -356,13 +391,15 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // Rows 16 apart keep the swizzle's chunk, so the destinations are 2048 bytes apart; keys
     // past kv_end are zero-filled. A copy is an offset load, one wide multiply-add and the
     // cp.async: the copies are most of a step's instructions outside the softmax.
+    // KV8: pieces of 16 codes into the unswizzled fp8 stage (rows of 128 codes), keys key0 + 32 i.
     const int key0 = tid / PARTS, part = tid % PARTS;
-    const unsigned dst0 = (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
+    const unsigned dst0 = KV8 ? key0 * WG_D + part * 16
+                              : (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
     auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
-        const unsigned dst = slots + (tile % STAGES) * WGR_TILE + dst0;
+        const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + dst0;
         const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
         const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
-        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with 16 i < valid are real
+        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with (NT / PARTS) i < valid are real
         // The offsets first: read between the copies (whose asm clobbers memory), each read
         // costs a shared-load round trip and ptxas pads every copy after one.
         unsigned int off[COPIES];
@@ -380,16 +417,17 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // Q (zero rows past the sequence's) and K(tile0); then K(tile0 + 1) and V(tile0): the groups
     // steps tile0 - 2 and tile0 - 1 would have issued.
     copy_q_sw128<ROWS, NT>(q_s, q, q_stride, row0, nrows, group, q0, kh, tid);
-    if (tile0 < tile1) copy_tile(tile0, k_s, k_cache);
+    if (tile0 < tile1) copy_tile(tile0, kc_s, k_cache);
     cp_async_commit();
-    if (tile0 + 1 < tile1) copy_tile(tile0 + 1, k_s, k_cache);
-    if (tile0 < tile1) copy_tile(tile0, v_s, v_cache);
+    if (tile0 + 1 < tile1) copy_tile(tile0 + 1, kc_s, k_cache);
+    if (tile0 < tile1) copy_tile(tile0, vc_s, v_cache);
     cp_async_commit();
     // The first step's P V multiplies a zero P by the V stage of tile0 - 1, which no copy fills
-    // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN.
+    // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN (KV8: its
+    // fp8 stage, which step tile0 converts; code 0 is 0).
     {
-        const unsigned vz = v_s + ((tile0 + STAGES - 1) % STAGES) * WGR_TILE;
-        for (int e = tid; e < WGR_TILE / 4; e += NT) st_shared_u32(vz + e * 4, 0u);
+        const unsigned vz = vc_s + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES;
+        for (int e = tid; e < STAGE_BYTES / 4; e += NT) st_shared_u32(vz + e * 4, 0u);
     }
 
     float o[16][4];
@@ -405,17 +443,27 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // step refills; then the refill: K(t + 2), V(t + 1). (The step's fetch, of tile t + 3's
     // offsets into the slot tile t's held, comes after its products are issued: the block
     // table's load then waits behind them, not before them.)
+    // KV8: then K(t) (a real tile) and V(t - 1) into the bf16 tiles, published by a second
+    // barrier; the fp8 stages refilled here were converted a step ago.
     auto next_tile = [&](int tile) {
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        if (tile + 2 < tile1) copy_tile(tile + 2, k_s, k_cache);
-        if (tile + 1 < tile1) copy_tile(tile + 1, v_s, v_cache);
+        if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache);
+        if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
         cp_async_commit();
+        if constexpr (KV8) {
+            if (tile < tile1)
+                wgr_convert_tile<NT>(gbase + (k_s - base), gbase + (kc_s - base) + (tile % STAGES) * WGR_TILE8, tid);
+            wgr_convert_tile<NT>(gbase + (v_s - base),
+                                 gbase + (vc_s - base) + ((tile + STAGES - 1) % STAGES) * WGR_TILE8, tid);
+            fence_proxy_async();  // the converted tiles, for the products
+            __syncthreads();
+        }
     };
     // S = Q K^T of `tile`, this warpgroup's 64 rows x 128 keys, issued.
     auto issue_s = [&](int tile, float (&s)[16][4]) {
-        const unsigned kt = k_s + (tile % STAGES) * WGR_TILE;
+        const unsigned kt = KV8 ? k_s : k_s + (tile % STAGES) * WGR_TILE;
 #pragma unroll
         for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();  // also orders the last step's writes of o and pa before the products below
@@ -429,7 +477,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // O += P V of `vtile` (P in pa), issued: k-step kk takes pa[2kk], pa[2kk + 1] and V's keys
     // 16 kk .. 16 kk + 15.
     auto issue_pv = [&](int vtile) {
-        const unsigned vt = v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
+        const unsigned vt = KV8 ? v_s : v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
             WgmmaRATB<128>::mma(&o[0][0], &pa[2 * kk][0], sw128_mn_desc(vt + kk * 2048, WGR_HALF), 1);
@@ -468,9 +516,11 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
                        total_tokens, num_splits, out, part_o, part_ml, v_scale);
 }
 
-#define ATTENTION_WGR_ENTRY(NAME)                                                                 \
+#define ATTENTION_WGR_ENTRY(NAME, KV8)                                                            \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
-        attention_wgr_body(ATTN_TC_ARGS);                                                         \
+        attention_wgr_body<KV8>(ATTN_TC_ARGS);                                                    \
     }
 
-ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill)
+ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false)
+// fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
+ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true)
