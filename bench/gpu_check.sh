@@ -131,14 +131,23 @@ for s in $steps; do
       VT_PREFILL_TILING=$t timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-${t:-default}" --rows targets \
         --server-args="--max-num-seqs 256 --max-model-len 16384 ${VT_ARGS:-}" --budget "${BUDGET:-500}" --out "$OUT/t8" \
         2>&1 | grep -v "^Loading" | tee -a "$OUT/targets8.log" ;;
-    fp8)  # the fp8 suite, then the 8B target rows with --quantization fp8 (FP8_ARMS="bf16 fp8" adds bf16 beside)
+    fp8)  # the fp8 suite, then the 8B target rows with --quantization fp8 (FP8_ARMS="bf16 fp8 fp8kv8 bf16kv8":
+          # bf16 weights, fp8 weights, each with the fp8 KV cache; TARGETS="1024/128,..." limits the rows)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py 2>&1 | tail -15 | tee "$OUT/fp8_tests.log"
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       for arm in ${FP8_ARMS:-fp8}; do
-        extra=$([ "$arm" = fp8 ] && echo "--quantization fp8")
+        extra=$(case "$arm" in fp8) echo "--quantization fp8" ;; fp8kv8) echo "--quantization fp8 --kv-cache-dtype fp8" ;;
+                bf16kv8) echo "--kv-cache-dtype fp8" ;; esac)
         timeout 590 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-$arm" --rows targets \
-          --server-args="--max-num-seqs 256 --max-model-len 16384 $extra" --budget "${BUDGET:-300}" --out "$OUT/t8_$arm" \
-          2>&1 | grep -v "^Loading" | tee -a "$OUT/fp8_targets.log"
+          ${TARGETS:+--targets $TARGETS} --server-args="--max-num-seqs 256 --max-model-len 16384 $extra" \
+          --budget "${BUDGET:-300}" --out "$OUT/t8_$arm" 2>&1 | grep -v "^Loading" | tee -a "$OUT/fp8_targets.log"
+      done ;;
+    gemv)  # the decode GEMVs against cuBLAS(Lt), and the fp8 engine test at GEMV limits 16, 8 and 0
+      timeout 150 python3 -m bench.probes.gemv --preset 8b --rows 1,8,16 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+      for g in 16 8 0; do
+        echo "VT_GEMV_MAX_TOKENS=$g" | tee -a "$OUT/gemv_engine.log"
+        VT_GEMV_MAX_TOKENS=$g timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+          -k engine_tokens 2>&1 | tail -4 | tee -a "$OUT/gemv_engine.log"
       done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
