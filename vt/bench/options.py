@@ -23,7 +23,9 @@ import argparse
 import math
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from vt.bench.config import (
@@ -46,39 +48,40 @@ DEFAULT_OUTPUT_LEN = 128     # as vLLM's --random-output-len
 VLLM_DEFAULT_HOST, VLLM_DEFAULT_PORT = "127.0.0.1", 8000
 # vLLM's --percentile-metrics names that vt does not measure (client-side queueing)
 UNMEASURED_METRICS = ("client_queue_time", "e2el_including_client_queue")
+T = TypeVar("T", int, float)
 
 
 # ---------------------------------------------------------------- value checks
 
 
-def _rate(value: str) -> float:
-    try:
-        rate = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r} (use a positive rate or 'inf')") from None
-    if math.isnan(rate) or rate <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive or 'inf', got {value!r}")
-    return rate
+def _checked(convert: Callable[[str], T], ok: Callable[[T], bool], expected: str,
+             hint: str = "") -> Callable[[str], T]:
+    """An argparse type: `value` converted (int or float), then held to ok(); errors say what was
+    expected and what came (an int as read, anything else as written)."""
+    kind = "an integer" if convert is int else "a number"
+
+    def check(value: str) -> T:
+        try:
+            v = convert(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {value!r}{hint}") from None
+        if not ok(v):
+            got = v if convert is int else repr(value)
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {got}")
+        return v
+
+    return check
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
+_rate = _checked(float, lambda r: not math.isnan(r) and r > 0, "positive or 'inf'",
+                 hint=" (use a positive rate or 'inf')")
+_positive_int = _checked(int, lambda n: n >= 1, "at least 1")
+_non_negative_int = _checked(int, lambda n: n >= 0, "0 or more")
+_ratio = _checked(float, lambda r: 0.0 <= r < 1.0, "in [0, 1)")
+_temperature = _checked(float, lambda t: 0.0 <= t <= 2.0, "in [0, 2]")
+_top_p = _checked(float, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+_top_k = _checked(int, lambda k: k >= -1, "-1 (off), 0 (off) or a positive count")
+_burstiness = _checked(float, lambda b: not math.isnan(b) and b > 0, "positive (1 = Poisson arrivals)")
 
 
 def _port(value: str) -> int:
@@ -86,56 +89,6 @@ def _port(value: str) -> int:
     if n > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number (1 to 65535), got {n}")
     return n
-
-
-def _ratio(value: str) -> float:
-    try:
-        r = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not 0.0 <= r < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value!r}")
-    return r
-
-
-def _temperature(value: str) -> float:
-    try:
-        t = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not 0.0 <= t <= 2.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {value!r}")
-    return t
-
-
-def _top_p(value: str) -> float:
-    try:
-        p = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not 0.0 < p <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value!r}")
-    return p
-
-
-def _top_k(value: str) -> int:
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if k < -1:
-        raise argparse.ArgumentTypeError(f"must be -1 (off), 0 (off) or a positive count, got {k}")
-    return k
-
-
-def _burstiness(value: str) -> float:
-    try:
-        b = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if math.isnan(b) or b <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive (1 = Poisson arrivals), got {value!r}")
-    return b
 
 
 def _backend(value: str) -> str:
