@@ -1166,6 +1166,16 @@ def test_fused_prologue_quantizes_what_it_writes(cb, nb, rng, d, with_norm):
     assert (cb.to_host(vc) == want_v.view(np.uint8)).all()
 
 
+def _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max_q, max_ctx) -> np.ndarray:
+    """CUDA attention over fp8 caches (the codes of kc, vc) at FP8_SCALES, from a poisoned arena."""
+    poison(cb)
+    with cb.slot(0):
+        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+        out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max_q, max_ctx,
+                           kv_scales=FP8_SCALES)
+        return cb.to_host(out)
+
+
 def _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d):
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
     return q, to_e4m3(kc * 40), to_e4m3(vc * 40), qsl, seq_lens, table
@@ -1189,12 +1199,7 @@ def test_attention_reads_fp8_codes_times_scale(cb, nb, rng, q_lens, ctx_lens, hq
     scale = d**-0.5
     args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
     ref = nb.attention(q, kc, vc, *args, kv_scales=FP8_SCALES)
-    poison(cb)
-    with cb.slot(0):
-        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
-        out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max(q_lens),
-                           max(ctx_lens), kv_scales=FP8_SCALES)
-        got = cb.to_host(out)
+    got = _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
     assert rel_err(got, ref) < BF16_TOL
 
 
@@ -1227,12 +1232,7 @@ def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_l
         if t.kv8_smem is None or d not in t.head_dims:
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
         expected = t.kernel.format(d=d) + KV8_SUFFIX
-        poison(cb)
-        with cb.slot(0):
-            dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
-            out = cb.attention(act(cb, q), _codes_on(cb, kc), _codes_on(cb, vc), *dev, scale, max(q_lens),
-                               max(ctx_lens), kv_scales=FP8_SCALES)
-            got = cb.to_host(out)
+        got = _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
     finally:
         cb.use_prefill_tiling(previous)
     assert expected in launched, launched
