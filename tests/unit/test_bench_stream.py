@@ -36,6 +36,18 @@ async def _serve_canned(events: list[bytes], gap: float) -> tuple[asyncio.Server
     return server, server.sockets[0].getsockname()[1]
 
 
+def _read_canned(events: list[bytes], gap: float, input_tokens: int, body: dict, **stream) -> RequestRecord:
+    """stream_completion's record of `events`, served one every `gap` s."""
+    async def run() -> RequestRecord:
+        server, port = await _serve_canned(events, gap)
+        rec = RequestRecord(index=0, input_tokens=input_tokens)
+        async with server:
+            await stream_completion(Endpoint("127.0.0.1", port), body, rec, 0.0, **stream)
+        return rec
+
+    return asyncio.run(run())
+
+
 def test_chunks_without_text_count_as_token_arrivals() -> None:
     """A token whose text is empty (a special token, or an id the tokenizer renders as nothing)
     still arrived: TTFT is the first choice chunk, and every choice chunk is an inter-token gap.
@@ -45,14 +57,7 @@ def test_chunks_without_text_count_as_token_arrivals() -> None:
               _event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
               b"data: [DONE]\n\n"]
 
-    async def run() -> RequestRecord:
-        server, port = await _serve_canned(events, 0.02)
-        rec = RequestRecord(index=0, input_tokens=3)
-        async with server:
-            await stream_completion(Endpoint("127.0.0.1", port), {"prompt": [1, 2, 3]}, rec, 0.0)
-        return rec
-
-    rec = asyncio.run(run())
+    rec = _read_canned(events, 0.02, 3, {"prompt": [1, 2, 3]})
     assert rec.success, rec.error
     assert rec.output_tokens == 4
     assert len(rec.chunk_times) == 4
@@ -71,15 +76,7 @@ def test_a_chat_streams_role_announcement_is_not_a_token() -> None:
               _event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}),
               b"data: [DONE]\n\n"]
 
-    async def run() -> RequestRecord:
-        server, port = await _serve_canned(events, 0.05)
-        rec = RequestRecord(index=0, input_tokens=9)
-        async with server:
-            await stream_completion(Endpoint("127.0.0.1", port), {"messages": []}, rec, 0.0,
-                                    path="/v1/chat/completions", chat=True)
-        return rec
-
-    rec = asyncio.run(run())
+    rec = _read_canned(events, 0.05, 9, {"messages": []}, path="/v1/chat/completions", chat=True)
     assert rec.success, rec.error
     assert rec.output_tokens == 3 and len(rec.chunk_times) == 3
     assert rec.text == "Hi!"
