@@ -15,7 +15,6 @@ from vt.http.logprobs import Logprobs
 from vt.http.messages import HttpRequest, Response, StreamResponse
 from vt.http.protocol import (
     CompletionRequest,
-    ProtocolError,
     get_bool,
     parse_completion_request,
     parse_json_object,
@@ -44,7 +43,7 @@ class CompletionRoute:
         check_priority(request.priority, limits)
         field = parse_structured_fields(body)
         add_special = get_bool(body, "add_special_tokens", True)  # vLLM's field, default as there
-        prompts = [generation.truncate(await self._prompt_ids(prompt, add_special), request)
+        prompts = [generation.truncate(await self._context.prompt_ids(prompt, "prompt", add_special), request)
                    for prompt in request.prompts]
         max_tokens = generation.fit(prompts, request, limits, body.get("max_tokens") is not None, "prompt",
                                     "max_tokens")
@@ -72,16 +71,6 @@ class CompletionRoute:
             } for c in launch.choices],
             "usage": usage(num_prompt_tokens, launch.choices),
         })
-
-    async def _prompt_ids(self, prompt: str | tuple[int, ...], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            ids = await self._context.prompts.encode(prompt, "prompt", add_special_tokens=add_special_tokens)
-        else:
-            self._context.check_token_ids(prompt, "prompt")
-            ids = list(prompt)
-        if not ids:
-            raise ProtocolError("the prompt encodes to no tokens", "prompt")
-        return ids
 
     async def _echo(self, prompt: str | tuple[int, ...], ids: list[int], request: CompletionRequest) -> str:
         """The text echo puts before a prompt's choices: the prompt as sent, or its token ids

@@ -157,7 +157,7 @@ class EmbeddingsRoute:
                                 f"fewer inputs per request", "input")
         pooling.check_dimensions(request.dimensions, engine.model_config.hidden_size,
                                  context.served_model_name)
-        prompts = [self._fit(await self._input_ids(x, request.add_special_tokens), request)
+        prompts = [self._fit(await self._context.prompt_ids(x, "input", request.add_special_tokens), request)
                    for x in request.inputs]
         response_id = f"embd-{uuid.uuid4().hex}"
         streams = self._start(engine, response_id, prompts, request)
@@ -180,16 +180,6 @@ class EmbeddingsRoute:
             "data": LazyList(len(vectors), item),
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
         })
-
-    async def _input_ids(self, value: str | tuple[int, ...], add_special_tokens: bool) -> list[int]:
-        if isinstance(value, str):
-            ids = await self._context.prompts.encode(value, "input", add_special_tokens=add_special_tokens)
-        else:
-            self._context.check_token_ids(value, "input")
-            ids = list(value)
-        if not ids:
-            raise ProtocolError("the input encodes to no tokens", "input")
-        return ids
 
     def _fit(self, ids: list[int], request: EmbeddingRequest) -> list[int]:
         """The input truncated as asked (vLLM's truncate_prompt_tokens: its last k tokens), or a

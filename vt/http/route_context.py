@@ -42,6 +42,19 @@ class RouteContext:
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param)
 
+    async def prompt_ids(self, prompt: str | Sequence[int], param: str,
+                         add_special_tokens: bool = True) -> list[int]:
+        """A completion's prompt or an embedding's input, text or token ids, as checked token ids;
+        one that comes to no tokens is the request's error, named by `param`."""
+        if isinstance(prompt, str):
+            ids = await self.prompts.encode(prompt, param, add_special_tokens=add_special_tokens)
+        else:
+            self.check_token_ids(prompt, param)
+            ids = list(prompt)
+        if not ids:
+            raise ProtocolError(f"the {param} encodes to no tokens", param)
+        return ids
+
     async def chat_prompt_ids(self, messages: Sequence[dict[str, Any]],
                               template: ChatTemplateOptions) -> list[int]:
         """The prompt of a chat: its messages rendered by the chat template, then encoded."""
