@@ -172,6 +172,21 @@ def build(fname: str) -> ctypes.CDLL:
     return compile_host(Path(fname).stem, src)
 
 
+# The launch arguments every sim_<kernel> takes first: grid x, y, z, threads, shared memory bytes.
+LAUNCH_ARGTYPES = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+
+
+def build_kernels(fname: str, kernels: Mapping[str, tuple[str, str, list]]) -> ctypes.CDLL:
+    """The kernel file compiled for the host with a typed `sim_<kernel>` launcher for each of
+    `kernels`: name -> (its C parameters, the call's arguments, their ctypes after the launch's)."""
+    src = host_source(translation_unit(fname, replace=SIM_WRAPPERS))
+    typed = launchers({n: (params, args) for n, (params, args, _) in kernels.items()})
+    lib = compile_host(Path(fname).stem, src + "\n" + typed)
+    for name, (_, _, argtypes) in kernels.items():
+        getattr(lib, f"sim_{name}").argtypes = LAUNCH_ARGTYPES + argtypes
+    return lib
+
+
 def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 

@@ -11,13 +11,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimUnavailable, build
+from tests.cuda_sim import LAUNCH_ARGTYPES, SimUnavailable, build
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-_LAUNCH = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+_LAUNCH = LAUNCH_ARGTYPES
 
 
 @pytest.fixture(scope="module")

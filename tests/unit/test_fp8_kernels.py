@@ -15,12 +15,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimUnavailable, compile_host, host_source, launchers
+from tests.cuda_sim import SimUnavailable, build_kernels
 from vt.kernels import numpy_fp8 as f8
-from vt.kernels.sources import read_source
 
 _P, _I, _F, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
-_LAUNCH = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
 _KERNELS = {
     "quantize_rows_k": ("const bf16_t* x, long long ld, unsigned char* q, float* scale, int k, int group, "
                         "int scale_ld", "x, ld, q, scale, k, group, scale_ld", [_P, _LL, _P, _P, _I, _I, _I]),
@@ -111,15 +109,10 @@ def test_block_scaled_gemm_pairs_128x128_weight_blocks_with_128_wide_activation_
 
 @pytest.fixture(scope="module")
 def lib():
-    entries = launchers({name: (params, args) for name, (params, args, _) in _KERNELS.items()})
-    src = host_source(read_source("cuda_common.cu") + "\n" + read_source("fp8.cu")) + "\n" + entries
     try:
-        lib = compile_host("fp8", src)
+        return build_kernels("fp8.cu", _KERNELS)
     except SimUnavailable as e:
         pytest.skip(str(e))
-    for name, (_, _, argtypes) in _KERNELS.items():
-        getattr(lib, f"sim_{name}").argtypes = _LAUNCH + argtypes
-    return lib
 
 
 def _outputs(rows: int, k: int, group: int | None) -> tuple[np.ndarray, np.ndarray, int]:

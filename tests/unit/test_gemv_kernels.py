@@ -12,12 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SIM_WRAPPERS, SimUnavailable, compile_host, host_source, launchers
+from tests.cuda_sim import SimUnavailable, build_kernels
 from vt.kernels import numpy_fp8 as f8
-from vt.kernels.sources import translation_unit
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_LAUNCH = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
 _FP8 = ("const unsigned char* xq, const float* xs, int xs_ld, const unsigned char* wq, const float* ws, "
         "int ws_ld, bf16_t* y, int ldy, int tokens, int n, int k, int block, int accumulate",
         "xq, xs, xs_ld, wq, ws, ws_ld, y, ldy, tokens, n, k, block, accumulate",
@@ -30,15 +28,10 @@ _KERNELS = {"gemv_fp8_8_k": _FP8, "gemv_fp8_16_k": _FP8, "gemv_bf16_8_k": _BF16,
 
 @pytest.fixture(scope="module")
 def lib():
-    entries = launchers({name: (params, args) for name, (params, args, _) in _KERNELS.items()})
     try:
-        src = host_source(translation_unit("gemv.cu", replace=SIM_WRAPPERS))
-        lib = compile_host("gemv", src + "\n" + entries)
+        return build_kernels("gemv.cu", _KERNELS)
     except SimUnavailable as e:
         pytest.skip(str(e))
-    for name, (_, _, argtypes) in _KERNELS.items():
-        getattr(lib, f"sim_{name}").argtypes = _LAUNCH + argtypes
-    return lib
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimUnavailable, compile_host, host_source
+from tests.cuda_sim import LAUNCH_ARGTYPES, SimUnavailable, compile_host, host_source
 from vt.kernels import numpy_sampling
 from vt.kernels.sources import translation_unit
 
@@ -48,8 +48,8 @@ extern "C" int sim_record_sampled_k(unsigned gx, unsigned gy, unsigned gz, unsig
     return sim::launch(gx, gy, gz, threads, smem, [&] { record_sampled_k(last_tokens, out_counts, rows, ids,
         n, num_rows, vocab); }); }
 """
-_P, _I, _U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
-_LAUNCH = [_U, _U, _U, _U, ctypes.c_size_t]
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_LAUNCH = LAUNCH_ARGTYPES
 
 
 def _batch() -> dict[str, np.ndarray]:
