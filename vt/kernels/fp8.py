@@ -14,7 +14,7 @@ import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows
-from vt.kernels.gemm import GEMV_ROWS, GEMV_THREADS
+from vt.kernels.gemm import launch_gemv
 from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
 
 KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k")}
@@ -94,8 +94,8 @@ class Fp8Ops(CudaCore):
         code = self._group_code(group, k)
         a = self._activation(t, k, group)
         if t:
-            args = (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0]))
-            self._launch("rms_norm_quant_k", (t,), (_THREADS,), args)
+            self._launch("rms_norm_quant_k", (t,), (_THREADS,),
+                         (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0])))
         return a
 
     def silu_mul_quant(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
@@ -161,10 +161,8 @@ class Fp8Ops(CudaCore):
 
     def _fp8_gemv(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
         n, k = w.q.shape
-        name = "gemv_fp8_8_k" if x.rows <= 8 else "gemv_fp8_16_k"
         xs_ld = x.scale.shape[-1] if x.group else 0  # group-major block scales: [groups, padded rows]
         ws_ld = w.scale.shape[1] if w.block else 0
         args = (x.q, x.scale, _i32(xs_ld), w.q, w.scale, _i32(ws_ld), y, _i32(y.strides[0] // 2),
                 _i32(x.rows), _i32(n), _i32(k), _i32(int(w.block)), _i32(int(accumulate)))
-        # a dependent of the kernel that makes x: the first weights stream while that one ends
-        self._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+        launch_gemv(self, "fp8", x.rows, n, args)

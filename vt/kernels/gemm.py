@@ -38,6 +38,14 @@ def requested_gemv_max_tokens(value: int | None) -> int:
     return value
 
 
+def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple) -> None:
+    """gemv.cu's `kind` (bf16, fp8) kernel for `tokens` (one tile of 8, or two), a block per 16
+    weight rows, launched as a dependent of the kernel that makes x: its first weights stream while
+    that one ends."""
+    name = f"gemv_{kind}_{8 if tokens <= 8 else 16}_k"
+    ops._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+
+
 class GemmOps(CudaCore):
     gemv_max_tokens: int = GEMV_MAX_TOKENS
 
@@ -112,8 +120,6 @@ class GemmOps(CudaCore):
                    accumulate: bool) -> None:
         t, k = x.shape
         n = w.shape[0]
-        name = "gemv_bf16_8_k" if t <= 8 else "gemv_bf16_16_k"
         args = (x, _i32(x.strides[0] // 2), w, 0 if bias is None else bias, y, _i32(y.strides[0] // 2),
                 _i32(t), _i32(n), _i32(k), _i32(int(accumulate)))
-        # a dependent of the kernel that makes x: the first weights stream while that one ends
-        self._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
+        launch_gemv(self, "bf16", t, n, args)
