@@ -90,14 +90,15 @@ def random_runner(preset: str, device: str, max_model_len: int, **engine: object
 
 
 def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda",
-                 prefill: int = 0):
+                 prefill: int = 0, **engine: object):
+    """`engine`: further EngineConfig fields (quantization, kv_cache_dtype)."""
     blocks = max_seqs * blocks_per_seq(context) + 16 + -(-prefill // 16)
     max_seqs += prefill > 0
     # the longest sequence is a decode's context or the new prompt, whichever is longer
     max_len = 16 * max(blocks_per_seq(context), -(-prefill // 16))
     return random_runner(preset, device, max_len, max_num_seqs=max_seqs,
                          max_num_batched_tokens=max(2048, max_seqs + prefill), num_gpu_blocks=blocks,
-                         enforce_eager=enforce_eager)
+                         enforce_eager=enforce_eager, **engine)
 
 
 def blocks_per_seq(context: int, steps: int = STEPS_MAX) -> int:

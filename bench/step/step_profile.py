@@ -95,13 +95,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prefill", type=int, default=0,
                     help="prompt tokens of a new request beside the decodes in every step (a mixed step)")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--trace", default=None)
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
-    runner, mc = build_runner(args.preset, args.batch, args.context, False, prefill=args.prefill)
+    runner, mc = build_runner(args.preset, args.batch, args.context, False, prefill=args.prefill,
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     eos = lambda _rid: ()  # noqa: E731
     # warm-up, one, then two runs
     gen = decode_batches(args.batch, args.context, 2 * args.steps + 6, args.prefill)
