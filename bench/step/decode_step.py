@@ -133,27 +133,41 @@ def decode_batches(batch: int, context: int, steps: int, prefill: int = 0):
         yield ScheduledBatch(seqs, released, batch + prefill)
 
 
-def floor_seconds(mc, batch: int, context: int) -> float:
+def floor_seconds(mc, batch: int, context: int, fp8: bool = False, kv8: bool = False,
+                  bandwidth: float = BANDWIDTH) -> float:
+    """(weight bytes + KV bytes read) / bandwidth. fp8: the layers' projections are one byte an
+    element (embeddings, norms and lm_head stay bf16); kv8: the KV cache is."""
+    return (weight_bytes(mc, fp8) + kv_bytes(mc, batch, context, kv8)) / bandwidth
+
+
+def weight_bytes(mc, fp8: bool = False) -> int:
     from vt.model.loader import expected_shapes
 
-    weight_bytes = sum(int(np.prod(s)) * 2 for s in dict(expected_shapes(mc)).values())
-    kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
-    return (weight_bytes + kv) / BANDWIDTH
+    def size(name: str, shape: tuple[int, ...]) -> int:
+        projection = fp8 and len(shape) == 2 and "embed" not in name and "lm_head" not in name
+        return int(np.prod(shape)) * (1 if projection else 2)
+
+    return sum(size(n, s) for n, s in dict(expected_shapes(mc)).items())
 
 
-def roofline_seconds(mc, batch: int, context: int) -> float:
+def kv_bytes(mc, batch: int, context: int, kv8: bool = False) -> int:
+    return batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * (1 if kv8 else 2)
+
+
+def roofline_seconds(mc, batch: int, context: int, fp8: bool = False, kv8: bool = False,
+                     bandwidth: float = BANDWIDTH) -> float:
     """The floor with arithmetic counted too: the weight GEMMs take the longer of reading their
-    weights and doing their FLOPs at the matmul rate (at batch 256 on 8B shapes the FLOPs win),
-    then the KV read. Embedding rows are gathered, not multiplied."""
+    weights and doing their FLOPs at the matmul rate (at batch 256 on 8B shapes the FLOPs win;
+    fp8 counts the bf16 rate twice), then the KV read. Embedding rows are gathered, not multiplied."""
     from vt.model.loader import expected_shapes
 
     shapes = dict(expected_shapes(mc))
     matmul = sum(int(np.prod(s)) for n, s in shapes.items() if len(s) == 2 and "embed" not in n)
     if mc.tie_word_embeddings:
         matmul += mc.vocab_size * mc.hidden_size
-    weight_bytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
-    kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
-    return max(weight_bytes / BANDWIDTH, 2 * matmul * batch / MATMUL_RATE) + kv / BANDWIDTH
+    rate = MATMUL_RATE * (2 if fp8 else 1)
+    return (max(weight_bytes(mc, fp8) / bandwidth, 2 * matmul * batch / rate)
+            + kv_bytes(mc, batch, context, kv8) / bandwidth)
 
 
 def time_decode(runner, batch: int, context: int, steps: int, pipelined: bool, prefill: int = 0) -> float:
@@ -188,19 +202,26 @@ def main() -> None:
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--device", default="cuda", choices=["cuda", "numpy"])
     ap.add_argument("--prefill", type=int, default=0, help="prompt tokens of a new request in every step")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--bandwidth", type=float, default=BANDWIDTH / 1e12,
+                    help="TB/s the floors assume (default: the H200's measured copy rate)")
     args = ap.parse_args()
+    fp8, kv8 = args.quantization == "fp8", args.kv_cache_dtype != "auto"
+    bw = args.bandwidth * 1e12
     batches = [int(x) for x in args.batches.split(",")]
     rows = []
     for mode in args.modes.split(","):
         t_build = time.perf_counter()
         runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device,
-                                  args.prefill)
+                                  args.prefill, quantization=args.quantization,
+                                  kv_cache_dtype=args.kv_cache_dtype)
         print(f"{mode}: runner built in {time.perf_counter() - t_build:.1f} s "
               f"({len(runner.graphs)} decode graphs, {len(runner.layer_graphs)} per-layer graph sets)",
               flush=True)
         for b in batches:
-            floor = floor_seconds(mc, b, args.context)
-            roof = roofline_seconds(mc, b, args.context)
+            floor = floor_seconds(mc, b, args.context, fp8, kv8, bw)
+            roof = roofline_seconds(mc, b, args.context, fp8, kv8, bw)
             for pipelined in (False, True):
                 t = time_decode(runner, b, args.context, args.steps, pipelined, args.prefill)
                 row = dict(preset=args.preset, mode=mode, depth=2 if pipelined else 1, batch=b,

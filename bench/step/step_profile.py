@@ -123,7 +123,8 @@ def main() -> None:
     prof.export_chrome_trace(str(path))
     kernels = kernel_events(json.loads(path.read_text()))
     s = summarize(split_steps(kernels, per_step))
-    floor = floor_seconds(mc, args.batch, args.context) * 1e6
+    floor = floor_seconds(mc, args.batch, args.context, args.quantization == "fp8",
+                          args.kv_cache_dtype != "auto") * 1e6
     print(f"{args.preset} batch {args.batch} context {args.context} prefill {args.prefill}: "
           f"{s['kernels_per_step']} kernels per step, "
           f"busy {s['busy_us']:.0f} us + gaps {s['gaps_us']:.0f} us = span {s['span_us']:.0f} us; "

@@ -156,6 +156,21 @@ def test_decode_roofline_counts_gemm_flops_only_where_they_outlast_the_weight_re
     assert ds.roofline_seconds(mc, 256, 512) > 1.1 * ds.floor_seconds(mc, 256, 512)
 
 
+def test_decode_floor_counts_fp8_projections_and_kv_at_one_byte(tmp_path: Path) -> None:
+    from vt.config import ModelConfig
+
+    ds = load_script("step.decode_step")
+    ds.write_config(tmp_path, "8b")
+    mc = ModelConfig.from_dir(tmp_path)
+    projections = 36 * (4096 * 6144 + 4096 * 4096 + 2 * 4096 * 12288 + 12288 * 4096)
+    bf16 = ds.weight_bytes(mc)
+    # the projections halve; embeddings, norms and lm_head stay two bytes an element
+    assert ds.weight_bytes(mc, fp8=True) == bf16 - projections
+    assert ds.kv_bytes(mc, 4, 100, kv8=True) * 2 == ds.kv_bytes(mc, 4, 100) == 4 * 100 * 36 * 2 * 8 * 128 * 2
+    assert ds.floor_seconds(mc, 4, 100, True, True, 1e12) == pytest.approx(
+        (bf16 - projections + 4 * 100 * 36 * 2 * 8 * 128) / 1e12)
+
+
 def test_host_overhead_reports_server_cpu_per_token(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     # /proc counts CPU time in 10 ms ticks: 1024 tokens are tens of ms, never zero ticks
