@@ -142,6 +142,19 @@ for s in $steps; do
           ${TARGETS:+--targets $TARGETS} --server-args="--max-num-seqs 256 --max-model-len 16384 $extra" \
           --budget "${BUDGET:-300}" --out "$OUT/t8_$arm" 2>&1 | grep -v "^Loading" | tee -a "$OUT/fp8_targets.log"
       done ;;
+    kv8)  # the fp8 KV cache: its GPU tests (every code read back exactly, each kernel against numpy), the
+          # fp8-KV engine test, then the decode-heavy rows with fp8 weights, fp8 KV and bf16 KV alternated
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
+        -k "every_e4m3 or reads_fp8 or fp8_prompt or twins_codes or quantizes_what" 2>&1 | tail -5 | tee "$OUT/kv8_tests.log"
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py -k kv8 2>&1 | tail -3 \
+        | tee -a "$OUT/kv8_tests.log"
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for kv in fp8 auto; do
+        timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-fp8-kv-$kv" --rows targets \
+          --targets "${KV8_ROWS:-128/1024,1024/128}" --budget "${BUDGET:-200}" --out "$OUT/kv8_$kv" \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --kv-cache-dtype $kv" 2>&1 \
+          | grep -E "^\| target|failed requests" | sed "s/^/kv $kv: /" | tee -a "$OUT/kv8_rows.log"
+      done ;;
     gemv)  # the decode GEMVs against cuBLAS(Lt), and the fp8 engine test at GEMV limits 16, 8 and 0
       timeout 150 python3 -m bench.probes.gemv --preset 8b --rows 1,8,16 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
       for g in 16 8 0; do

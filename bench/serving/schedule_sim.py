@@ -131,8 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--pacing", action="store_true", help="the scheduler's prefill pacing on")
+    base = StepCost()
+    ap.add_argument("--fixed-ms", type=float, default=base.fixed_s * 1e3, help="a step's fixed cost")
+    ap.add_argument("--weights-ms", type=float, default=base.weights_s * 1e3, help="the GEMMs' weight read")
+    ap.add_argument("--token-us", type=float, default=base.token_s * 1e6,
+                    help="GEMMs and element kernels a token")
+    ap.add_argument("--kv-bytes-per-key", type=int, default=base.kv_bytes_per_key,
+                    help="KV bytes a decode reads per key (half with an fp8 cache)")
+    ap.add_argument("--attn-tflops", type=float, default=base.attn_flop_per_s / 1e12,
+                    help="the prompt rows' attention rate")
     args = ap.parse_args(argv)
-    cost = StepCost()
+    cost = StepCost(fixed_s=args.fixed_ms * 1e-3, weights_s=args.weights_ms * 1e-3,
+                    token_s=args.token_us * 1e-6, kv_bytes_per_key=args.kv_bytes_per_key,
+                    attn_flop_per_s=args.attn_tflops * 1e12)
     graph_sizes = tuple(n for n in LAYER_GRAPH_SIZES if n <= args.budget)
     print("| row | pacing | seconds | out tok/s | mean TTFT ms | steps | decode-only |")
     print("|---|---|---:|---:|---:|---:|---:|")

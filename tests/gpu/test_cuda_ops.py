@@ -1203,6 +1203,35 @@ def test_attention_reads_fp8_codes_times_scale(cb, nb, rng, q_lens, ctx_lens, hq
     assert rel_err(got, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize(("q_len", "hk", "d", "tiling"), [
+    (1, 2, 128, "wgr"),  # decode: the transposed tiles
+    (20, 2, 128, "wgr"),  # a prompt on the default tiling (wgr's fp8 kernel on sm_90)
+    (20, 4, 64, FALLBACK_PREFILL_TILING),  # a prompt on mma.sync tiles
+    (1, 1, 256, "wgr"),  # head dim 256: the CUDA-core kernel
+])
+def test_every_e4m3_code_reads_back_exactly(cb, rng, q_len, hk, d, tiling):
+    """A prompt's first token sees one key, so its output is that key's V row: each of the 254
+    finite codes over the V row's heads and dims comes back as its e4m3 value (subnormals too:
+    the device's bf16 FMA of the conversion must not flush them)."""
+    codes = np.arange(hk * d) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes: the cache never holds them
+    q, _, _, qsl, seq_lens, table = _paged_batch(rng, [q_len], [q_len], hk, hk, d, 16)
+    vc = np.zeros((int(table[0, 0]) + 1, 16, hk, d), np.uint8)
+    vc[table[0, 0], 0] = codes.reshape(hk, d)
+    kc = np.zeros_like(vc)
+    previous = cb.prefill_tiling
+    try:
+        cb.use_prefill_tiling(tiling, strict=False)
+        with cb.slot(0):
+            dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+            out = cb.to_host(cb.attention(act(cb, q), cb.from_host(kc, "u8"), cb.from_host(vc, "u8"), *dev,
+                                          d**-0.5, q_len, q_len, kv_scales=(1.0, 1.0)))
+    finally:
+        cb.use_prefill_tiling(previous)
+    want = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(hk, d)
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[0], want)
+
+
 @pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,d", [
     ([2048], [2048], 32, 8, 128),  # one long prompt

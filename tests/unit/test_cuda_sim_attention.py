@@ -297,3 +297,27 @@ def test_fp8_kv_wgr_plan_short_of_shared_memory_fails_the_launch(sim):
     with pytest.raises(ValueError, match="wrote past"):
         sim.launch(plan.name, (plan.row_tiles, 2, 1), plan.threads, plan.smem - 4096, q, kc, vc, qsl,
                    seq_lens, table, 128**-0.5, 1, kv_scales=KV8_SCALES)
+
+
+@pytest.mark.parametrize(("q_len", "hk", "d", "tiling"), [
+    (1, 2, 128, DEFAULT_PREFILL_TILING),  # decode: the transposed tiles
+    (20, 2, 128, DEFAULT_PREFILL_TILING),  # a prompt on the default tiling (wgr's fp8 kernel)
+    (20, 4, 64, FALLBACK_PREFILL_TILING),  # a prompt on mma.sync tiles
+    (1, 1, 256, DEFAULT_PREFILL_TILING),  # head dim 256: the CUDA-core kernel
+])
+def test_every_e4m3_code_reads_back_exactly(sim, q_len, hk, d, tiling):
+    """A prompt's first token sees one key, so its output is that key's V row times v_scale: each
+    of the 254 finite codes, laid over the V row's heads and dims, must come back as its e4m3 value
+    (bf16 holds every one), subnormals included."""
+    codes = np.arange(hk * d) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes: the cache never holds them
+    rng = np.random.default_rng(d + q_len)
+    q, _, _, qsl, seq_lens, table = _paged_batch(rng, [q_len], [q_len], hk, hk, d, 16)
+    kc = np.zeros((table.max(initial=0, where=table < 10**6) + 1, 16, hk, d), np.uint8)
+    vc = kc.copy()
+    vc[table[0, 0], 0] = codes.reshape(hk, d)  # key 0
+    plan = attention_kernel(1, q_len, d, prefill=tiling, kv8=True)
+    out = sim.launch(plan.name, (plan.row_tiles, hk, 1), plan.threads, plan.smem, q, kc, vc, qsl, seq_lens,
+                     table, d**-0.5, 1, kv_scales=(1.0, 1.0))
+    want = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(hk, d)
+    np.testing.assert_array_equal(_float(out)[0], want)

@@ -177,35 +177,39 @@ __device__ __forceinline__ unsigned int pack4_e4m3(float a, float b, float c, fl
 #endif
 }
 
-// e4m3 bits -> float, exactly (every e4m3 value is a float; 0x7f / 0xff are NaN). The software
-// path is the definition (and what the host simulator runs).
-__device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
-    const unsigned int sign = (c & 0x80u) << 24, e = (c >> 3) & 0xfu, m = c & 7u;
-    if (e == 0u) return __uint_as_float(sign | __float_as_uint((float)m * 0.001953125f));  // m * 2^-9
-    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
-    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));                        // rebias 7 -> 127
+// a * b per bf16 lane, rounded to nearest even: fma with -0 (exact products stay exact, and a
+// zero product keeps its sign). The host simulator's path is the definition.
+__device__ __forceinline__ unsigned int mul_bf16x2(unsigned int a, unsigned int b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned int d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+#else
+    return pack2(lo_f(a) * lo_f(b), hi_f(a) * hi_f(b));
+#endif
 }
 
-// Two e4m3 codes (the lower address in the low byte) -> the bf16 pair word of their values,
-// exactly (e4m3 values are bf16 values). sm_89+ converts a pair to f16x2 in one instruction;
-// f16 -> f32 -> bf16 is exact for them too.
+// Two e4m3 codes, each in the high byte of a 16-bit half (s eeee mmm, then 8 zero bits), -> the
+// bf16 pair word of their values, exactly: the sign stays, the exponent and mantissa bits shift
+// down by 4 into bf16's (exponent field e, mantissa m << 4: 2^(e - 127) (1 + m / 8), or for e = 0
+// the bf16 subnormal m 2^-129), and one multiply by 2^120 rebiases (to 2^(e - 7) (1 + m / 8), and
+// m 2^-9 for e4m3's subnormals). Integer ops and one bf16 FMA: the conversion unit (a quarter of the
+// ALUs' rate, which e4m3 -> f16 -> f32 -> bf16 took three times a pair) is not touched, so reading
+// an fp8 KV cache is not bound by it. The NaN codes (0x7f, 0xff) read as +-480: the cache never
+// holds them (its writes saturate finite values; a NaN k or v is already a broken model).
+__device__ __forceinline__ unsigned int e4m3_hi_to_bf16x2(unsigned int t) {
+    return mul_bf16x2(((t >> 4) & 0x07f007f0u) | (t & 0x80008000u), 0x7b807b80u);  // 0x7b80: 2^120
+}
+
+// Two e4m3 codes (the lower address in the low byte) -> the bf16 pair word of their values.
 __device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned int two) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned int h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)two));
-    float lo, hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
-    return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
-#else
-    return (__float_as_uint(e4m3_to_f32(two & 0xffu)) >> 16) |
-           (__float_as_uint(e4m3_to_f32((two >> 8) & 0xffu)) & 0xffff0000u);
-#endif
+    return e4m3_hi_to_bf16x2(((two & 0xffu) << 8) | ((two & 0xff00u) << 16));
 }
 
 // Four codes in a word -> two bf16 pair words (elements 0, 1 and 2, 3).
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(unsigned int four) {
-    return make_uint2(e4m3x2_to_bf16x2(four & 0xffffu), e4m3x2_to_bf16x2(four >> 16));
+    return make_uint2(e4m3_hi_to_bf16x2(((four & 0xffu) << 8) | ((four & 0xff00u) << 16)),
+                      e4m3_hi_to_bf16x2(((four >> 8) & 0xff00u) | (four & 0xff000000u)));
 }
 
 // 8 floats -> 8 e4m3 codes of f / scale (nearest even, saturated) in one 8-byte store: what the
