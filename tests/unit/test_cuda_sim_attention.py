@@ -222,6 +222,8 @@ KV8_SCALES = (0.025, 0.04)  # keys and values of about unit size from codes span
     [
         ([1] * 4, [1, 15, 17, 150], 64, 8, 128, "decode8"),  # group 8 decode: the transposed tiles
         ([3, 4, 1, 2], [40, 130, 77, 2], 4, 2, 128, "decode8"),  # several tokens a tile, causal
+        ([1, 1], [700, 333], 32, 8, 128, "decode8"),  # 8B's decode: every stage refilled, twice
+        ([4, 1], [500, 261], 16, 4, 64, "decode"),  # 16-row tiles over many key tiles, head dim 64
         ([1, 1, 1], [64, 65, 130], 16, 1, 64, "decode"),  # group 16, keys on and past tile edges
         ([4, 1, 2], [30, 100, 70], 16, 4, 128, "decode"),  # 16-row tiles
         ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 128, "wgr_d128_prefill_kv8"),  # prompt, decode, chunk

@@ -99,6 +99,26 @@ struct KvPipe {
             dst[1] = make_uint4(c.x, c.y, d.x, d.y);
         }
     }
+    // KV8, decode: one warp converts only the 16 keys of the tile it reads (K and V rows key0 ..
+    // key0 + 15), 16 codes a lane a pass as in convert(), so no second block barrier is needed.
+    __device__ void convert_keys(int tile, int key0) const {
+        constexpr int PIECES = D / 16;  // 16-code pieces of a cached row
+        static_assert(2 * 16 * PIECES % 32 == 0, "every lane converts the same number of pieces");
+        const unsigned char* src = stage8(tile);
+        const int lane = threadIdx.x & 31;
+#pragma unroll 1
+        for (int i = 0; i < 2 * 16 * PIECES / 32; ++i) {
+            const int e = lane + 32 * i;
+            const int r = e / PIECES, part = e % PIECES;  // r: the slice's 16 K rows, then its 16 V rows
+            const int row = (r < 16 ? 0 : TC_KT) + key0 + (r & 15);
+            const uint4 w = *reinterpret_cast<const uint4*>(src + (size_t)row * D + part * 16);
+            const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
+            const uint2 c = e4m3x4_to_bf16x4(w.z), d = e4m3x4_to_bf16x4(w.w);
+            uint4* dst = reinterpret_cast<uint4*>(kv_s + (size_t)row * SROW + part * 16);
+            dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+            dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+        }
+    }
     // The first STAGES - 1 tiles go out before the caller's Q reads, so their latencies overlap.
     // Launched as a dependent of the kernel that writes Q and the new tokens' K/V, the block
     // reads the block table and the tiles before `fresh_tile` (keys older than this step) while
@@ -118,16 +138,24 @@ struct KvPipe {
         }
     }
     // Wait for `tile`, then refill the stage the previous step consumed. KV8: convert the tile
-    // (every warp is past the last tile's products at the first barrier) and publish it.
-    __device__ void advance(int tile) const {
+    // (every warp is past the last tile's products at the first barrier) and publish it; with
+    // own_key0 >= 0 (the decode bodies, whose warps each read 16 keys of a tile) each warp converts
+    // its own keys and only waits for its own lanes.
+    __device__ void advance(int tile, int own_key0 = -1) const {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // this tile landed for every thread; the stage refilled below is free
-        if constexpr (KV8) convert(tile);
+        if constexpr (KV8) {
+            if (own_key0 >= 0) convert_keys(tile, own_key0);
+            else convert(tile);
+        }
         const int next = tile + STAGES - 1;
         if (next < tile1) load(next);
         cp_async_commit();
         fetch(next + 1);  // its slot held the offsets of `tile`, issued steps ago
-        if constexpr (KV8) __syncthreads();  // the converted tile is whole before the products
+        if constexpr (KV8) {
+            if (own_key0 >= 0) __syncwarp();  // the warp's converted keys are whole before its products
+            else __syncthreads();             // the converted tile is whole before the products
+        }
     }
     __device__ void finish() const {
         cp_async_wait<0>();
@@ -215,7 +243,7 @@ __device__ __forceinline__ void attention_tc_body(
     float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        pipe.advance(tile);
+        pipe.advance(tile, RW == 1 && WK == 16 ? kw * WK : -1);  // decode: each warp converts its own keys
         const int kbase = tile * TC_KT + kw * WK;  // first key of this warp's slice
         if (kbase <= warp_pos) {
             const bf16_t* ks = pipe.k_tile(tile) + kw * WK * SROW;
@@ -474,7 +502,7 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     const int mi = lane >> 3, mr = lane & 7;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        pipe.advance(tile);
+        pipe.advance(tile, warp * 16);  // each warp converts (KV8) and reads its own 16 keys
         const int kbase = tile * TC_KT + warp * 16;
         if (kbase <= tile_pos) {
             const bf16_t* ks = pipe.k_tile(tile) + warp * 16 * SROW;
