@@ -155,6 +155,14 @@ for s in $steps; do
           --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --kv-cache-dtype $kv" 2>&1 \
           | grep -E "^\| target|failed requests" | sed "s/^/kv $kv: /" | tee -a "$OUT/kv8_rows.log"
       done ;;
+    fp8budget)  # the prefill-bound fp8 rows at token budgets 2048, 4096, 8192 (BUDGETS), fp8 KV on (KV)
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for b in ${BUDGETS:-2048 8192 4096}; do
+        timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-fp8-b$b" --rows targets \
+          --targets "${BUDGET_ROWS:-1024/128,8000/64}" --budget "${BUDGET:-200}" --out "$OUT/fp8b_$b" \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --kv-cache-dtype ${KV:-fp8} --max-num-batched-tokens $b" \
+          2>&1 | grep -E "^\| target|failed requests" | sed "s/^/budget $b: /" | tee -a "$OUT/fp8budget.log"
+      done ;;
     gemv)  # the decode GEMVs against cuBLAS(Lt), and the fp8 engine test at GEMV limits 16, 8 and 0
       timeout 150 python3 -m bench.probes.gemv --preset 8b --rows 1,8,16 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
       for g in 16 8 0; do
