@@ -201,12 +201,8 @@ __device__ __forceinline__ unsigned int e4m3_hi_to_bf16x2(unsigned int t) {
     return mul_bf16x2(((t >> 4) & 0x07f007f0u) | (t & 0x80008000u), 0x7b807b80u);  // 0x7b80: 2^120
 }
 
-// Two e4m3 codes (the lower address in the low byte) -> the bf16 pair word of their values.
-__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2(unsigned int two) {
-    return e4m3_hi_to_bf16x2(((two & 0xffu) << 8) | ((two & 0xff00u) << 16));
-}
-
-// Four codes in a word -> two bf16 pair words (elements 0, 1 and 2, 3).
+// Four codes in a word (the lower address in the low byte) -> two bf16 pair words (elements 0, 1
+// and 2, 3).
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(unsigned int four) {
     return make_uint2(e4m3_hi_to_bf16x2(((four & 0xffu) << 8) | ((four & 0xff00u) << 16)),
                       e4m3_hi_to_bf16x2(((four >> 8) & 0xff00u) | (four & 0xff000000u)));
