@@ -83,7 +83,7 @@ for s in $steps; do
       # Every kernel of a step (depth 1) and the depth-2 device timeline; the 8B build takes ~1 min.
       for p in ${PRESETS:-0.6b 8b}; do
         timeout 240 python3 -m bench.step.step_profile --preset $p --batch "${BATCH:-64}" --context "${CONTEXT:-512}" \
-          --prefill "${PREFILL:-0}" 2>&1 | tail -60 \
+          --prefill "${PREFILL:-0}" ${PROFILE_ARGS:-} 2>&1 | tail -60 \
           | sed "s/^/$p /" | tee -a "$OUT/profile.log"
       done ;;
     prefill)
