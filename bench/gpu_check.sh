@@ -32,7 +32,7 @@ bench_in() {
 for s in $steps; do
   echo "== $s $(date -u +%T)" | tee -a "$OUT/steps.log"
   case $s in
-    ops) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
+    ops) timeout 450 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tail -5 | tee "$OUT/ops.log" ;;
     model) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_model_cuda.py 2>&1 | tail -30 | tee "$OUT/model.log" ;;
     e2e) VT_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_openai_e2e.py 2>&1 | tail -30 | tee "$OUT/e2e.log" ;;
     kernels) timeout 150 python3 -m bench.kernels.kernel_bench 2>&1 | tail -20 | tee "$OUT/kernels.log" ;;
