@@ -155,3 +155,39 @@ def test_fp8_with_tensor_parallelism_is_refused(tmp_path):
     cfg = ModelConfig.from_dir(ckpt)
     with pytest.raises(QuantizationError, match="tensor-parallel"):
         Transformer(cfg, load_weights(ckpt, cfg), get_backend("cpu", tensor_parallel_size=2), 2, fp8=ONLINE)
+
+
+class _NoFp8Backend(NumpyBackend):
+    """A backend whose device lacks fp8 tensor cores (as CUDA reports an A100)."""
+
+    def fp8_weights_unsupported(self) -> str:
+        return "NVIDIA A100-SXM4-80GB is compute capability 8.0, without them (8.9 or newer needed)"
+
+
+@pytest.mark.parametrize(("quantization", "flag", "what"), [
+    (None, "fp8", "--quantization fp8"),
+    ("fp8-block", None, "this FP8 checkpoint"),
+])
+def test_fp8_weights_on_a_gpu_without_fp8_tensor_cores_are_refused_before_loading(
+        tmp_path, monkeypatch, quantization, flag, what):
+    import vt.runner.runner as runner_mod
+    from vt.config import EngineConfig
+
+    ckpt = make_model(tmp_path / "m", preset="tiny128", quantization=quantization)
+    cfg = ModelConfig.from_dir(ckpt)
+
+    def no_reading(*_args, **_kwargs):
+        raise AssertionError("weights were read before the device was checked")
+
+    monkeypatch.setattr(runner_mod, "load_weights", no_reading)
+    ec = EngineConfig(model=str(ckpt), device="cpu", quantization=flag)
+    with pytest.raises(QuantizationError) as e:
+        runner_mod.ModelRunner(cfg, ec, _NoFp8Backend(), 256)
+    assert str(e.value).startswith(f"{what} needs fp8 tensor cores: NVIDIA A100-SXM4-80GB is compute "
+                                   "capability 8.0"), str(e.value)
+    assert "--kv-cache-dtype fp8" in str(e.value)
+    # The fp8 KV cache alone is served there
+    monkeypatch.undo()
+    if quantization is None:
+        ec = EngineConfig(model=str(ckpt), device="cpu", kv_cache_dtype="fp8", num_gpu_blocks=32)
+        assert runner_mod.ModelRunner(cfg, ec, _NoFp8Backend(), 256).fp8 is None

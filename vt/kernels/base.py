@@ -221,6 +221,10 @@ class Backend(Protocol):
     def num_sms(self) -> int:
         """The device's streaming multiprocessors (numpy: 0)."""
 
+    def fp8_weights_unsupported(self) -> str:
+        """'' where fp8 weights' GEMMs run here, else why not (CUDA: fp8 tensor cores, compute
+        capability 8.9 or newer; numpy: always '')."""
+
     def limit_gemm_sms(self, i: int, sms: int) -> None:
         """Slot i's GEMMs launched from now on use about `sms` SMs (0: all of them), leaving the
         rest to a step running beside on another slot's stream. numpy: checks the slot."""

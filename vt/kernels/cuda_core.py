@@ -353,6 +353,16 @@ class CudaCore:
     def num_sms(self) -> int:
         return self._num_sms
 
+    def fp8_weights_unsupported(self) -> str:
+        # cuBLASLt's fp8 matmuls and gemv.cu's e4m3 MMA need fp8 tensor cores (Ada, Hopper and later)
+        dev = cupy.cuda.Device()
+        cc = dev.compute_capability
+        if (int(cc[:-1]), int(cc[-1])) >= (8, 9):
+            return ""
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"{name} is compute capability {cc[:-1]}.{cc[-1]}, without them (8.9 or newer needed)"
+
     def limit_gemm_sms(self, i: int, sms: int) -> None:
         self._slot(i).gemm.set_sm_count_target(min(max(sms, 0), self._num_sms))
 

@@ -333,6 +333,9 @@ class NumpyBackend(NumpyFp8Ops):
     def num_sms(self) -> int:
         return 0
 
+    def fp8_weights_unsupported(self) -> str:
+        return ""
+
     def limit_gemm_sms(self, i: int, sms: int) -> None:
         self._check_slot(i)
 

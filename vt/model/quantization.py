@@ -52,6 +52,15 @@ class Fp8Format:
         return BLOCK if self.block else None
 
 
+def require_fp8_device(fp8: Fp8Format, unsupported: str) -> None:
+    """Refuse fp8 weights where the backend cannot run their GEMMs (`unsupported`: its reason, or
+    ''), naming what to do instead. An fp8 KV cache needs no fp8 tensor cores and is not refused."""
+    if unsupported:
+        what = "--quantization fp8" if fp8.online else "this FP8 checkpoint"
+        raise QuantizationError(f"{what} needs fp8 tensor cores: {unsupported}; serve a bf16 checkpoint "
+                                f"without --quantization (an fp8 KV cache, --kv-cache-dtype fp8, needs none)")
+
+
 ONLINE = Fp8Format(online=True, block=False)
 
 

@@ -27,7 +27,7 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels.base import Backend
 from vt.model.loader import load_weights
 from vt.model.pooling import PoolingConfig
-from vt.model.quantization import checkpoint_format
+from vt.model.quantization import checkpoint_format, require_fp8_device
 from vt.model.quantization import resolve as resolve_quantization
 from vt.model.transformer import Transformer
 from vt.runner.buffers import MAX_BANNED, SlotBuffers
@@ -208,6 +208,8 @@ class ModelRunner:
         self.pooling = pooling
         # fp8 weights: the checkpoint's format, or --quantization fp8 on an unquantized one
         self.fp8 = resolve_quantization(checkpoint_format(model_cfg.quantization_config), cfg.quantization)
+        if self.fp8 is not None and cfg.tensor_parallel_size == 1:  # (a split refuses fp8 in the model)
+            require_fp8_device(self.fp8, ops.fp8_weights_unsupported())  # before gigabytes are read
         weights = load_weights(cfg.model, model_cfg, self.fp8, pooling is None)  # lm_head: not for pooling
         self.model = Transformer(model_cfg, weights, ops, cfg.tensor_parallel_size, self.fp8,
                                  lm_head=pooling is None, kv_cache_dtype=cfg.kv_cache_dtype)
