@@ -3,6 +3,8 @@ async plumbing: slots, arenas, events and CUDA graph capture with replay."""
 
 from __future__ import annotations
 
+import zlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -31,7 +33,24 @@ def nb():
 
 @pytest.fixture
 def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    # crc32, not hash(): str hashes change from run to run, and a failure must reproduce
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture(scope="module")
+def shared_cases():
+    """Inputs and numpy references made once per case and checked by every tiling that runs it:
+    the reference of a 2k prompt takes numpy ~15 s, and eight tilings run each case."""
+    return {}
+
+
+def _shared_case(cache: dict, make, *key):
+    """make(rng) -> (inputs, reference) for `key`, from a seed of the key alone (the tiling is not
+    part of it, so each tiling sees the same batch), made at its first use."""
+    key = tuple(tuple(k) if isinstance(k, list) else k for k in key)
+    if key not in cache:
+        cache[key] = make(np.random.default_rng(zlib.crc32(repr(key).encode())))
+    return cache[key]
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -445,14 +464,17 @@ def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
         ([64, 200], [3000, 200], 32, 8, 128),  # few blocks: split keys and their combine
     ],
 )
-def test_attention_prefill_tilings(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d):
+def test_attention_prefill_tilings(cb, nb, shared_cases, tiling, q_lens, ctx_lens, hq, hk, d):
     """Every prefill tiling (attention_plan.PREFILL_TILINGS) against numpy; tests/cuda_sim
     checks the same kernels on the host, this on the device."""
-    bs = 16
-    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs)
     scale = d**-0.5
-    args = (qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
-    ref = nb.attention(q, kc, vc, *args)
+
+    def make(rng):
+        batch = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
+        return batch, nb.attention(*batch, scale, max(q_lens), max(ctx_lens))
+
+    batch, ref = _shared_case(shared_cases, make, "bf16", q_lens, ctx_lens, hq, hk, d)
+    q, kc, vc, qsl, seq_lens, table = batch
     before = cb.prefill_tiling
     cb.use_prefill_tiling(tiling)
     try:
@@ -1239,13 +1261,18 @@ def test_every_e4m3_code_reads_back_exactly(cb, rng, q_len, hk, d, tiling):
     ([300, 1, 129], [300, 700, 1000], 32, 8, 128),  # chunked prefill beside a decode, partial tiles
     ([37, 5], [900, 5], 16, 2, 64),  # head dim 64, group 8
 ])
-def test_fp8_prompt_attention_on_every_tiling(cb, nb, rng, tiling, q_lens, ctx_lens, hq, hk, d, monkeypatch):
+def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_lens, ctx_lens, hq, hk, d,
+                                              monkeypatch):
     """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90), or (the
     other wgmma tilings', a head dim it lacks) the fallback's."""
-    q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d)
     scale = d**-0.5
-    ref = nb.attention(q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens),
-                       kv_scales=FP8_SCALES)
+
+    def make(rng):
+        batch = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d)
+        return batch, nb.attention(*batch, scale, max(q_lens), max(ctx_lens), kv_scales=FP8_SCALES)
+
+    batch, ref = _shared_case(shared_cases, make, "fp8", q_lens, ctx_lens, hq, hk, d)
+    q, kc, vc, qsl, seq_lens, table = batch
     launched: list[str] = []
     launch = cb._launch
 
