@@ -82,6 +82,15 @@ struct KvPipe {
             cp_async16(vs + tok * ROW_BYTES + part * 16, vc + src, ok);
         }
     }
+    // KV8: 16 codes of stage row `row` (K keys, then V keys), piece `part`, into the bf16 tile.
+    __device__ void convert_piece(const unsigned char* src, int row, int part) const {
+        const uint4 w = *reinterpret_cast<const uint4*>(src + (size_t)row * D + part * 16);
+        const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
+        const uint2 c = e4m3x4_to_bf16x4(w.z), d = e4m3x4_to_bf16x4(w.w);
+        uint4* dst = reinterpret_cast<uint4*>(kv_s + (size_t)row * SROW + part * 16);
+        dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+        dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+    }
     // KV8: the landed fp8 stage of `tile` into the bf16 tile, 16 codes a thread a pass (keys
     // past kv_end were zero-filled, and code 0 is 0).
     __device__ void convert(int tile) const {
@@ -90,13 +99,7 @@ struct KvPipe {
 #pragma unroll 1
         for (int i = 0; i < 2 * TC_KT * (D / 16) / NT; ++i) {
             const int e = threadIdx.x + i * NT;
-            const int row = e / (D / 16), part = e % (D / 16);  // row: K keys, then V keys
-            const uint4 w = *reinterpret_cast<const uint4*>(src + (size_t)row * D + part * 16);
-            const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
-            const uint2 c = e4m3x4_to_bf16x4(w.z), d = e4m3x4_to_bf16x4(w.w);
-            uint4* dst = reinterpret_cast<uint4*>(kv_s + (size_t)row * SROW + part * 16);
-            dst[0] = make_uint4(a.x, a.y, b.x, b.y);
-            dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+            convert_piece(src, e / (D / 16), e % (D / 16));
         }
     }
     // KV8, decode: one warp converts only the 16 keys of the tile it reads (K and V rows key0 ..
@@ -109,14 +112,8 @@ struct KvPipe {
 #pragma unroll 1
         for (int i = 0; i < 2 * 16 * PIECES / 32; ++i) {
             const int e = lane + 32 * i;
-            const int r = e / PIECES, part = e % PIECES;  // r: the slice's 16 K rows, then its 16 V rows
-            const int row = (r < 16 ? 0 : TC_KT) + key0 + (r & 15);
-            const uint4 w = *reinterpret_cast<const uint4*>(src + (size_t)row * D + part * 16);
-            const uint2 a = e4m3x4_to_bf16x4(w.x), b = e4m3x4_to_bf16x4(w.y);
-            const uint2 c = e4m3x4_to_bf16x4(w.z), d = e4m3x4_to_bf16x4(w.w);
-            uint4* dst = reinterpret_cast<uint4*>(kv_s + (size_t)row * SROW + part * 16);
-            dst[0] = make_uint4(a.x, a.y, b.x, b.y);
-            dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+            const int r = e / PIECES;  // the slice's 16 K rows, then its 16 V rows
+            convert_piece(src, (r < 16 ? 0 : TC_KT) + key0 + (r & 15), e % PIECES);
         }
     }
     // The first STAGES - 1 tiles go out before the caller's Q reads, so their latencies overlap.
