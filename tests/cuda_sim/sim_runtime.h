@@ -331,6 +331,13 @@ template <class T> inline T __ldcg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p += v; return old; }
 inline void __syncwarp(unsigned = 0xffffffffu) { sim::warp_barrier(); }
+// Byte i of the result is byte (s >> 4i) & 7 of y:x (prmt's default mode).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned int)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+}
 
 template <class T>
 inline T sim_shfl(T v, int src_of_lane(int, int), int arg) {

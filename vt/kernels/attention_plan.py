@@ -15,14 +15,17 @@ MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
 KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
 
 
-def tc_smem(d: int, stages: int, q_rows: int = 0, kv8: bool = False) -> int:
+def tc_smem(d: int, stages: int, q_rows: int = 0, kv8: bool = False, direct: bool = False) -> int:
     """Dynamic shared memory of a tensor-core attention block: `stages` 64-key K and V tiles
     (rows padded by 8 elements) and their cache row offsets, then q_rows staged Q rows. kv8 (an
-    fp8 cache): one such bf16 K and V tile, the MMAs' converted copy, and `stages` fp8 stages of
-    64 unpadded keys (attention_tc.cu's KvPipe)."""
+    fp8 cache): one such bf16 K and V tile, the MMAs' converted copy (none when `direct`: the
+    decode8 kernel widens fragments in registers), and `stages` fp8 stages of 64 unpadded keys
+    (attention_tc.cu's KvPipe). The decode8 kernel's closing merge (4 warps x 8 rows x d fp32)
+    reuses the stages."""
     q = q_rows * (d + 8) * 2
     if kv8:
-        return 2 * 64 * (d + 8) * 2 + stages * (2 * 64 * d + 64 * 4) + q
+        tile = 0 if direct else 2 * 64 * (d + 8) * 2
+        return max(tile + stages * (2 * 64 * d + 64 * 4) + q, 4 * 8 * (d + 2) * 4)
     return stages * (2 * 64 * (d + 8) * 2 + 64 * 4) + q
 
 
@@ -133,6 +136,7 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
         smem = tc_smem(d, TC_STAGES, kv8=kv8)
         if rows <= 8:
+            smem = tc_smem(d, TC_STAGES, kv8=kv8, direct=True)
             return AttnKernel(f"attention_tc_d{d}_decode8{suffix}", True, 1, smem, 128)
         if rows <= 16:
             return AttnKernel(f"attention_tc_d{d}_decode{suffix}", True, 1, smem, 128)

@@ -25,8 +25,12 @@
 // bytes) and advance() converts the current one into the single bf16 tile the MMAs read (the
 // codes widen to bf16 exactly; the scales are applied outside: k_scale in scale_log2, v_scale on
 // the output), with a second barrier before the MMAs. Half the bytes a key cross HBM and L2.
-template <int D, int STAGES, int NT = 128, bool KV8 = false>
+// DIRECT (KV8, the decode8 body): no bf16 tile; the MMAs' fragments are widened in registers
+// straight from the fp8 stages, whose 16-byte pieces sit at swizzled places in a row (k_piece,
+// v_piece) so that the readers' 16-byte loads meet no bank twice.
+template <int D, int STAGES, int NT = 128, bool KV8 = false, bool DIRECT = false>
 struct KvPipe {
+    static_assert(!DIRECT || KV8, "only an fp8 cache is read without a converted tile");
     static constexpr int SROW = D + 8;      // smem row stride (bf16): 16-byte pad, ldmatrix conflict free
     static constexpr int PARTS = KV8 ? D / 16 : D / 8;  // 16-byte pieces of one key's cached head row
     static constexpr int TPP = NT / PARTS;  // keys per copy pass of the block's NT threads
@@ -40,7 +44,8 @@ struct KvPipe {
 
     static constexpr size_t TILE_BYTES = (size_t)2 * TC_KT * SROW * sizeof(bf16_t);  // one K and V tile
     static constexpr size_t STAGE8_BYTES = (size_t)2 * TC_KT * D;                      // one fp8 stage
-    static constexpr size_t KV_BYTES = KV8 ? TILE_BYTES + STAGES * STAGE8_BYTES : STAGES * TILE_BYTES;
+    static constexpr size_t TILE16_BYTES = KV8 && DIRECT ? 0 : TILE_BYTES;  // KV8: the converted tile
+    static constexpr size_t KV_BYTES = KV8 ? TILE16_BYTES + STAGES * STAGE8_BYTES : STAGES * TILE_BYTES;
     static constexpr size_t BYTES = KV_BYTES + (size_t)STAGES * TC_KT * sizeof(unsigned int);
     static_assert(NT >= TC_KT && TC_KT % TPP == 0, "a copy pass covers whole keys of the tile");
     __device__ const bf16_t* k_tile(int tile) const {
@@ -48,7 +53,15 @@ struct KvPipe {
         return kv_s + (size_t)((tile - tile0) % STAGES) * 2 * TC_KT * SROW;  // its V tile follows
     }
     __device__ unsigned char* stage8(int tile) const {  // KV8: the fp8 copies of `tile`, K then V
-        return reinterpret_cast<unsigned char*>(kv_s) + TILE_BYTES + (size_t)((tile - tile0) % STAGES) * STAGE8_BYTES;
+        return reinterpret_cast<unsigned char*>(kv_s) + TILE16_BYTES + (size_t)((tile - tile0) % STAGES) * STAGE8_BYTES;
+    }
+    // DIRECT: where piece p (16 codes) of K row `row` of a stage sits. The decode8 reader's lanes
+    // 4r..4r+3 take row r's pieces c (+ 4): odd rows swap halves so two rows fill the 32 banks.
+    static __device__ __forceinline__ int k_piece(int row, int p) { return p ^ ((row & 1) * (D / 32)); }
+    // ... and of V row `row`: lane (g, c) reads piece g's share of rows 2c, 2c + 1, 2c + 8, 2c + 9,
+    // so rows 0, 2, 4, 6 of one load are spread over the banks by (row / 2) % 4.
+    static __device__ __forceinline__ int v_piece(int row, int p) {
+        return p ^ ((((row >> 1) & 3) * 2) & (D / 16 - 1));
     }
 
     __device__ void fetch(int tile) const {
@@ -78,8 +91,9 @@ struct KvPipe {
             const unsigned int off = offs[tok];
             const bool ok = off != NONE;
             const size_t src = ok ? ((size_t)off + part) * 16 : 0;
-            cp_async16(ks + tok * ROW_BYTES + part * 16, kc + src, ok);
-            cp_async16(vs + tok * ROW_BYTES + part * 16, vc + src, ok);
+            const int kp = DIRECT ? k_piece(tok, part) : part, vp = DIRECT ? v_piece(tok, part) : part;
+            cp_async16(ks + tok * ROW_BYTES + kp * 16, kc + src, ok);
+            cp_async16(vs + tok * ROW_BYTES + vp * 16, vc + src, ok);
         }
     }
     // KV8: 16 codes of stage row `row` (K keys, then V keys), piece `part`, into the bf16 tile.
@@ -141,7 +155,7 @@ struct KvPipe {
     __device__ void advance(int tile, int own_key0 = -1) const {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // this tile landed for every thread; the stage refilled below is free
-        if constexpr (KV8) {
+        if constexpr (KV8 && !DIRECT) {
             if (own_key0 >= 0) convert_keys(tile, own_key0);
             else convert(tile);
         }
@@ -149,7 +163,7 @@ struct KvPipe {
         if (next < tile1) load(next);
         cp_async_commit();
         fetch(next + 1);  // its slot held the offsets of `tile`, issued steps ago
-        if constexpr (KV8) {
+        if constexpr (KV8 && !DIRECT) {
             if (own_key0 >= 0) __syncwarp();  // the warp's converted keys are whole before its products
             else __syncthreads();             // the converted tile is whole before the products
         }
@@ -452,10 +466,23 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
 // 16-wide M side of each mma and the rows its 8-wide N side, which halves the mma count and the
 // accumulators of a 16-row tile whose rows would be mostly padding. Four warps each take 16 keys
 // of every 64-key tile and are merged at the end.
+// KV8: the fragments are widened from the fp8 stages in registers (KvPipe DIRECT), in orders
+// that let one 16-byte shared load feed several MMAs. A dot product does not care in which
+// order its head dims come, so S^T's k-steps take each lane's four consecutive codes (dims
+// dim8(ks, c) + 0..3, pairs (0, 2) and (1, 3)) and Q's fragments are read in the same order.
+// O^T's rows (head dims) are renamed instead: m-tile mt's rows g and g + 8 are dims
+// (D / 8) g + 2 mt and + 1, so a lane's dims of a V row are D / 8 consecutive codes.
+template <int D>
+__device__ __forceinline__ int dim8(int ks, int c) { return 64 * (ks / 4) + 16 * c + 4 * (ks % 4); }
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 template <int D, int STAGES, bool KV8 = false>
 __device__ __forceinline__ void attention_tc_dec8_body(
     ATTN_TC_PARAMS) {
-    using Pipe = KvPipe<D, STAGES, 128, KV8>;
+    using Pipe = KvPipe<D, STAGES, 128, KV8, KV8>;
     constexpr int SROW = Pipe::SROW;
     constexpr int DK = D / 16;             // k-steps of S^T over the head dim, m-tiles of O^T
     extern __shared__ __align__(16) unsigned char smem[];
@@ -486,8 +513,16 @@ __device__ __forceinline__ void attention_tc_dec8_body(
         const bf16_t* p = q + (size_t)(q0 + (ok ? r / group : 0)) * q_stride + (size_t)(kh * group + (ok ? r % group : 0)) * D;
 #pragma unroll
         for (int ks = 0; ks < DK; ++ks) {
-            qb[ks][0] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c) : 0u;
-            qb[ks][1] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c + 8) : 0u;
+            if constexpr (KV8) {  // dims dim8 + 0, 2 and + 1, 3: the order the K codes widen in
+                const int d0 = dim8<D>(ks, c);
+                const unsigned int w01 = ok ? *reinterpret_cast<const unsigned int*>(p + d0) : 0u;
+                const unsigned int w23 = ok ? *reinterpret_cast<const unsigned int*>(p + d0 + 2) : 0u;
+                qb[ks][0] = __byte_perm(w01, w23, 0x5410);
+                qb[ks][1] = __byte_perm(w01, w23, 0x7632);
+            } else {
+                qb[ks][0] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c) : 0u;
+                qb[ks][1] = ok ? *reinterpret_cast<const unsigned int*>(p + ks * 16 + 2 * c + 8) : 0u;
+            }
         }
     }
 
@@ -499,18 +534,38 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     const int mi = lane >> 3, mr = lane & 7;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        pipe.advance(tile, warp * 16);  // each warp converts (KV8) and reads its own 16 keys
+        pipe.advance(tile, warp * 16);  // each warp reads its own 16 keys
         const int kbase = tile * TC_KT + warp * 16;
         if (kbase <= tile_pos) {
             const bf16_t* ks = pipe.k_tile(tile) + warp * 16 * SROW;
             const bf16_t* vs = ks + TC_KT * SROW;
             // s: S^T of keys kbase + g (0, 1) and + 8 (2, 3), rows 2c (0, 2) and 2c + 1 (1, 3).
             float s[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (KV8) {
+                const unsigned char* k8 = pipe.stage8(tile) + warp * 16 * D;
+                // Keys g and g + 8: this lane's pieces c, c + 4 (D 128) of each, 16 codes a load.
+                uint4 kr[2][D / 64];
 #pragma unroll
-            for (int ks_i = 0; ks_i < DK; ++ks_i) {
-                unsigned int ka[4];
-                ldsm_x4(ka, ks + ((mi & 1) * 8 + mr) * SROW + ks_i * 16 + (mi >> 1) * 8);
-                mma_bf16(s, ka, qb[ks_i][0], qb[ks_i][1]);
+                for (int h = 0; h < D / 64; ++h) {
+                    kr[0][h] = *reinterpret_cast<const uint4*>(k8 + g * D + Pipe::k_piece(g, c + 4 * h) * 16);
+                    kr[1][h] = *reinterpret_cast<const uint4*>(k8 + (g + 8) * D + Pipe::k_piece(g, c + 4 * h) * 16);
+                }
+#pragma unroll
+                for (int ks_i = 0; ks_i < DK; ++ks_i) {
+                    const unsigned int w0 = word_of(kr[0][ks_i / 4], ks_i % 4);
+                    const unsigned int w1 = word_of(kr[1][ks_i / 4], ks_i % 4);
+                    // e4m3_hi_to_bf16x2 reads the codes in bytes 1 and 3: codes 0, 2 then 1, 3.
+                    const unsigned int ka[4] = {e4m3_hi_to_bf16x2(w0 << 8), e4m3_hi_to_bf16x2(w1 << 8),
+                                                e4m3_hi_to_bf16x2(w0), e4m3_hi_to_bf16x2(w1)};
+                    mma_bf16(s, ka, qb[ks_i][0], qb[ks_i][1]);
+                }
+            } else {
+#pragma unroll
+                for (int ks_i = 0; ks_i < DK; ++ks_i) {
+                    unsigned int ka[4];
+                    ldsm_x4(ka, ks + ((mi & 1) * 8 + mr) * SROW + ks_i * 16 + (mi >> 1) * 8);
+                    mma_bf16(s, ka, qb[ks_i][0], qb[ks_i][1]);
+                }
             }
             const int ka_pos = kbase + g, kb_pos = ka_pos + 8;
             s[0] = ka_pos <= pos0 ? s[0] * scale_log2 : -VT_INF;
@@ -542,11 +597,42 @@ __device__ __forceinline__ void attention_tc_dec8_body(
             // P^T as the B operand: transpose the two 8x8 [key][row] bf16 blocks.
             const unsigned int pb0 = movmatrix_t(pack2_rn(p0, p1));
             const unsigned int pb1 = movmatrix_t(pack2_rn(p2, p3));
+            if constexpr (KV8) {
+                // Keys 2c, 2c + 1, 2c + 8, 2c + 9 (the A operand's k), this lane's D / 8 dims of each.
+                constexpr int VB = D / 8, VW = VB / 4;
+                const unsigned char* v8 = pipe.stage8(tile) + (TC_KT + warp * 16) * D;
+                unsigned int vr[4][VW];
 #pragma unroll
-            for (int mt = 0; mt < DK; ++mt) {
-                unsigned int va[4];
-                ldsm_x4_t(va, vs + ((mi >> 1) * 8 + mr) * SROW + mt * 16 + (mi & 1) * 8);
-                mma_bf16(o[mt], va, pb0, pb1);
+                for (int j = 0; j < 4; ++j) {
+                    const int row = 2 * c + (j & 1) + (j >> 1) * 8;
+                    const unsigned char* src = v8 + row * D + Pipe::v_piece(row, VB * g / 16) * 16 + VB * g % 16;
+                    if constexpr (VW == 4) {
+                        const uint4 w = *reinterpret_cast<const uint4*>(src);
+                        vr[j][0] = w.x; vr[j][1] = w.y; vr[j][2] = w.z; vr[j][3] = w.w;
+                    } else {
+                        const uint2 w = *reinterpret_cast<const uint2*>(src);
+                        vr[j][0] = w.x; vr[j][1] = w.y;
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < DK; ++mt) {
+                    // Byte b of two keys' words into bytes 1 and 3 (what e4m3_hi_to_bf16x2 reads).
+                    const unsigned int b = 2 * (mt & 1), lo = b * 0x1111u + 0x4400u, hi = lo + 0x1111u;
+                    const int i = mt / 2;
+                    const unsigned int va[4] = {
+                        e4m3_hi_to_bf16x2(__byte_perm(vr[0][i], vr[1][i], lo)),   // dim, keys 2c, 2c + 1
+                        e4m3_hi_to_bf16x2(__byte_perm(vr[0][i], vr[1][i], hi)),   // dim + 1
+                        e4m3_hi_to_bf16x2(__byte_perm(vr[2][i], vr[3][i], lo)),   // dim, keys 2c + 8, 2c + 9
+                        e4m3_hi_to_bf16x2(__byte_perm(vr[2][i], vr[3][i], hi))};  // dim + 1
+                    mma_bf16(o[mt], va, pb0, pb1);
+                }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < DK; ++mt) {
+                    unsigned int va[4];
+                    ldsm_x4_t(va, vs + ((mi >> 1) * 8 + mr) * SROW + mt * 16 + (mi & 1) * 8);
+                    mma_bf16(o[mt], va, pb0, pb1);
+                }
             }
         }
     }
@@ -562,11 +648,11 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     float* wo = red_o + warp * 8 * D;
 #pragma unroll
     for (int mt = 0; mt < DK; ++mt) {
-        const int dim = mt * 16 + g;
+        const int dim = KV8 ? (D / 8) * g + 2 * mt : mt * 16 + g, next = KV8 ? 1 : 8;  // rows g, g + 8
         wo[(2 * c) * D + dim] = o[mt][0];
         wo[(2 * c + 1) * D + dim] = o[mt][1];
-        wo[(2 * c) * D + dim + 8] = o[mt][2];
-        wo[(2 * c + 1) * D + dim + 8] = o[mt][3];
+        wo[(2 * c) * D + dim + next] = o[mt][2];
+        wo[(2 * c + 1) * D + dim + next] = o[mt][3];
     }
     if (g == 0) {
         red_ml[(warp * 8 + 2 * c) * 2] = m0;
