@@ -11,6 +11,8 @@ from vt.kernels.arena import ALIGN, aligned
 
 TC_HEAD_DIMS = (64, 128)  # head dims with a tensor-core kernel (attention_tc.cu)
 TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
+# ... in its decode8 kernels reading an fp8 cache, whose blocks hold no bf16 tile (50 KB at 3)
+DEC8_KV8_STAGES = 3
 MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
 KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
 
@@ -136,7 +138,7 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
         smem = tc_smem(d, TC_STAGES, kv8=kv8)
         if rows <= 8:
-            smem = tc_smem(d, TC_STAGES, kv8=kv8, direct=True)
+            smem = tc_smem(d, DEC8_KV8_STAGES if kv8 else TC_STAGES, kv8=kv8, direct=True)
             return AttnKernel(f"attention_tc_d{d}_decode8{suffix}", True, 1, smem, 128)
         if rows <= 16:
             return AttnKernel(f"attention_tc_d{d}_decode{suffix}", True, 1, smem, 128)

@@ -13,7 +13,7 @@
 
 #define TC_KT 64
 // TC_STAGES (key tiles in flight per block) is defined by cuda_ops from attention_plan.TC_STAGES,
-// which also sizes the shared memory.
+// which also sizes the shared memory; DEC8_KV8_STAGES likewise for the decode8 kernels reading fp8.
 
 // The K/V tiles of one (sequence, kv head, key split) through shared memory, TC_KT keys a tile
 // and STAGES tiles in flight. The cache rows of each tile are staged in shared memory as 32-bit
@@ -687,8 +687,8 @@ ATTENTION_TC_ENTRY(attention_tc_d128_decode_kv8, 128, 1, 4, TC_STAGES, true)
 
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8, 64, TC_STAGES, false)
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES, false)
-ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8_kv8, 64, TC_STAGES, true)
-ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8_kv8, 128, TC_STAGES, true)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8_kv8, 64, DEC8_KV8_STAGES, true)
+ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8_kv8, 128, DEC8_KV8_STAGES, true)
 
 // Prefill tilings of 128 rows (attention_plan.PREFILL_TILINGS): eight warps of one m-tile, or
 // four warps of two m-tiles with Q in shared memory and two K/V stages (two blocks an SM).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.resources
 from collections.abc import Mapping
 
-from vt.kernels.attention_plan import TC_STAGES
+from vt.kernels import attention_plan
 
 # Kernel files, each compiled as one module, and the files prepended to it after cuda_common.cu.
 KERNEL_FILES: dict[str, tuple[str, ...]] = {
@@ -30,7 +30,11 @@ def read_source(name: str) -> str:
 def defines(fname: str) -> str:
     """Compile-time constants a kernel file takes from the Python side that also sizes its
     launches."""
-    return f"#define TC_STAGES {TC_STAGES}\n" if fname == "attention_tc.cu" else ""
+    if fname != "attention_tc.cu":
+        return ""
+    # read at call time, so a benchmark may set other values before the kernels are built
+    return (f"#define TC_STAGES {attention_plan.TC_STAGES}\n"
+            f"#define DEC8_KV8_STAGES {attention_plan.DEC8_KV8_STAGES}\n")
 
 
 def translation_unit(fname: str, replace: Mapping[str, str] | None = None) -> str:
