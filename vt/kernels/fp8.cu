@@ -45,9 +45,37 @@ struct RowSource {
     }
 };
 
-// One block a row of width k: amax, then the quantized row (a second read of the row, from cache).
+// Chunks of 8 a thread keeps in registers between a row's amax and its quantization: rows of up to
+// FP8_THREADS * 8 * FP8_ROW_CHUNKS values (16384) are read once, all of a thread's loads issued
+// before their values are needed (down_proj's 12288-wide input of a prompt chunk ran at ~1.7 TB/s
+// as a loop of dependent loads read twice).
+#define FP8_ROW_CHUNKS 8
+
+// One block a row of width k: amax, then the quantized row (held in registers, or for longer rows
+// a second read of the row, from cache).
 __device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
+    if (group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS) {
+        float f[FP8_ROW_CHUNKS][8];
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+            if (c < k) {
+                src.load(c, f[i]);
+                for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[i][e]));
+            }
+        }
+        amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
+        const float inv = FP8_MAX / amax;
+#pragma unroll
+        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+            if (c < k) store8_e4m3(q + c, f[i], inv);
+        }
+        if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+        return;
+    }
     if (group == 0) {
         float amax = 0.f;
         for (int c = threadIdx.x * 8; c < k; c += FP8_THREADS * 8) {
