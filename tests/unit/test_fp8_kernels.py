@@ -154,7 +154,8 @@ def test_quantize_rows_kernel_is_bit_exact(lib, rows, k, group):
     np.testing.assert_array_equal(_scales(scale, rows, groups, group), want_s)
 
 
-@pytest.mark.parametrize(("rows", "k", "group"), [(3, 256, None), (2, 1024, 128)])
+@pytest.mark.parametrize(("rows", "k", "group"), [(3, 256, None), (2, 4096, None), (2, 16384 + 64, None),
+                                                   (2, 1024, 128)])
 def test_rms_norm_quant_kernel_matches_numpy(lib, rows, k, group):
     rng = np.random.default_rng(k)
     x = _bf16(rng.standard_normal((rows, k)) * 4)

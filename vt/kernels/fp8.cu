@@ -51,29 +51,39 @@ struct RowSource {
 // as a loop of dependent loads read twice).
 #define FP8_ROW_CHUNKS 8
 
+// The row's values held in registers (chunk i of this thread at column (threadIdx.x + i *
+// FP8_THREADS) * 8): its amax, codes and scale.
+__device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __restrict__ q,
+                              float* __restrict__ scale, int row, int k, float* scratch) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+        if ((threadIdx.x + i * FP8_THREADS) * 8 < k) {
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[i][e]));
+        }
+    }
+    amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
+    const float inv = FP8_MAX / amax;
+#pragma unroll
+    for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+        if (c < k) store8_e4m3(q + c, f[i], inv);
+    }
+    if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+}
+
 // One block a row of width k: amax, then the quantized row (held in registers, or for longer rows
 // a second read of the row, from cache).
 __device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
     if (group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS) {
         float f[FP8_ROW_CHUNKS][8];
-        float amax = 0.f;
 #pragma unroll
         for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
             const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-            if (c < k) {
-                src.load(c, f[i]);
-                for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[i][e]));
-            }
+            if (c < k) src.load(c, f[i]);
         }
-        amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
-        const float inv = FP8_MAX / amax;
-#pragma unroll
-        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
-            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-            if (c < k) store8_e4m3(q + c, f[i], inv);
-        }
-        if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+        quantize_held(f, q, scale, row, k, scratch);
         return;
     }
     if (group == 0) {
@@ -128,6 +138,31 @@ extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const 
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * k;
+    if (group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS) {
+        // The row read once: its sum of squares in row_inv_rms's order, then normed from registers.
+        float f[FP8_ROW_CHUNKS][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+            if (c < k) {
+                load8(xr + c, f[i]);
+                for (int e = 0; e < 8; ++e) ss += f[i][e] * f[i][e];
+            }
+        }
+        const float s = rsqrtf(block_sum(ss, scratch) / (float)k + eps);
+#pragma unroll
+        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+            if (c < k) {
+                float w[8];
+                load8(weight + c, w);
+                for (int e = 0; e < 8; ++e) f[i][e] = f[i][e] * s * w[e];
+            }
+        }
+        quantize_held(f, q + (size_t)row * k, scale, row, k, scratch);
+        return;
+    }
     const RowSource src{xr, nullptr, weight, row_inv_rms(xr, k, eps, scratch)};
     quantize_row(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
 }
