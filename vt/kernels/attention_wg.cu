@@ -309,12 +309,13 @@ ATTENTION_WG_ENTRY(attention_wgv_d128_prefill, 2, 3, true, true)
 // other 64 dims a half (16 KB, the leading offset) on; a k-step of 16 keys is 2048 bytes.
 //
 // KV8 (an fp8 cache of e4m3 codes, attention_tc.cu's KvPipe scheme): the same schedule lands the
-// codes in fp8 stages ([3][128 keys][128 B] for K, then V, unswizzled) and step t, after its
-// barrier, converts K(t) and V(t - 1) into the one bf16 K and V tile the products read (laid out
-// as above), then fences them for the async proxy and meets a second barrier. The products of
-// step t - 1 are retired by then, so one bf16 tile each suffices: Q, K, V (32 KB each), the fp8
-// stages (96 KB), the offsets and the sink, attention_plan.wgr_smem(kv8=True). Scales as in
-// attention_tc.cu: k_scale is in scale_log2, v_scale multiplies the output.
+// codes in fp8 stages ([3][128 keys][128 B] for K, then V, unswizzled). K has two bf16 tiles: step
+// t's S reads K(t) from one while, its products issued, the threads widen K(t + 1) (landed with
+// step t - 1's group) into the other, so K's widening runs beside the tensor cores. V(t - 1) is
+// widened into the one bf16 V tile after step t's barrier (its P V is issued with S(t)), then
+// fenced for the async proxy behind a second barrier. Q (32 KB), K (2 x 32 KB), V (32 KB), the fp8
+// stages (96 KB), the offsets and the sink: attention_plan.wgr_smem(kv8=True), the bf16 kernel's
+// size. Scales as in attention_tc.cu: k_scale is in scale_log2, v_scale multiplies the output.
 
 #define WGR_KT 128                 // keys a tile
 #define WGR_HALF (WGR_KT * 128)    // a K or V tile's 64-dim half: [128 keys][128 B]
@@ -359,9 +360,10 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     unsigned char* gbase;
     const unsigned base = smem_base_1024(smem, gbase);
     const unsigned q_s = base;
-    // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: one each)
+    // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: K tile t at
+    // k_s + (t % 2) * WGR_TILE, one V)
     const unsigned k_s = base + Q_BYTES;
-    const unsigned v_s = k_s + (KV8 ? 1 : STAGES) * WGR_TILE;
+    const unsigned v_s = k_s + (KV8 ? 2 : STAGES) * WGR_TILE;
     // Where the copies land: those stages, or (KV8) the fp8 K stages, then V's
     const unsigned kc_s = KV8 ? v_s + WGR_TILE : k_s;
     const unsigned vc_s = KV8 ? kc_s + STAGES * WGR_TILE8 : v_s;
@@ -443,8 +445,13 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // step refills; then the refill: K(t + 2), V(t + 1). (The step's fetch, of tile t + 3's
     // offsets into the slot tile t's held, comes after its products are issued: the block
     // table's load then waits behind them, not before them.)
-    // KV8: then K(t) (a real tile) and V(t - 1) into the bf16 tiles, published by a second
-    // barrier; the fp8 stages refilled here were converted a step ago.
+    // KV8: then V(t - 1) (and, at the first tile, K(t)) into the bf16 tiles, published by a
+    // second barrier; K(t) of later tiles was widened during step t - 1 (widen_next_k), and its
+    // fence is this barrier's. The fp8 stages refilled here were widened a step or more ago.
+    auto widen_k = [&](int tile) {
+        wgr_convert_tile<NT>(gbase + (k_s - base) + (tile & 1) * WGR_TILE,
+                             gbase + (kc_s - base) + (tile % STAGES) * WGR_TILE8, tid);
+    };
     auto next_tile = [&](int tile) {
         cp_async_wait<1>();
         fence_proxy_async();
@@ -453,17 +460,25 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
         cp_async_commit();
         if constexpr (KV8) {
-            if (tile < tile1)
-                wgr_convert_tile<NT>(gbase + (k_s - base), gbase + (kc_s - base) + (tile % STAGES) * WGR_TILE8, tid);
+            if (tile == tile0 && tile < tile1) widen_k(tile);
             wgr_convert_tile<NT>(gbase + (v_s - base),
                                  gbase + (vc_s - base) + ((tile + STAGES - 1) % STAGES) * WGR_TILE8, tid);
             fence_proxy_async();  // the converted tiles, for the products
             __syncthreads();
         }
     };
+    // KV8, step t with its products issued: K(t + 1), copied with step t - 1's group, into the K
+    // tile S(t - 1) read (retired at step t's barrier), while S(t) and P V run on the other tiles.
+    auto widen_next_k = [&](int tile) {
+        if constexpr (KV8) {
+            cp_async_wait<1>();  // this thread's copies of step t - 1's group have landed
+            __syncthreads();     // ... and every thread's
+            if (tile + 1 < tile1) widen_k(tile + 1);
+        }
+    };
     // S = Q K^T of `tile`, this warpgroup's 64 rows x 128 keys, issued.
     auto issue_s = [&](int tile, float (&s)[16][4]) {
-        const unsigned kt = KV8 ? k_s : k_s + (tile % STAGES) * WGR_TILE;
+        const unsigned kt = k_s + (KV8 ? tile & 1 : tile % STAGES) * WGR_TILE;
 #pragma unroll
         for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();  // also orders the last step's writes of o and pa before the products below
@@ -492,6 +507,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         issue_s(tile, s);
         issue_pv(tile - 1);
         fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
+        widen_next_k(tile);
         wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
         Wgmma<128>::pin(&s[0][0]);
         const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
