@@ -9,6 +9,8 @@ prefill), and four 1k prompts in one step. Each launch is timed as kernel_bench 
     python3 -m bench.kernels.attn_tilings [--json out.json] [--best FILE] [--tiling wgv --tiling wgr ...]
 
 --tiling (repeatable) times only those tilings (and always the fallback, the baseline).
+--kv-cache-dtype fp8 reads an fp8 cache (random e4m3 codes of magnitude up to 30, scales 0.1):
+the `_kv8` kernels, where a tiling without them runs the fallback's.
 
 --best writes the tiling to serve with: the one with the best geometric-mean speed-up over the
 8B cases among those whose output stays within 2% of the fallback's (r64, proven) on every case.
@@ -45,17 +47,28 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], hq: int) -> float:
     return 4.0 * hq * D * total
 
 
+def fp8_codes(*shape: int) -> cupy.ndarray:
+    """Random e4m3 codes, exponent fields 0-11 (magnitudes up to 30) and either sign."""
+    import cupy
+
+    mag = cupy.random.randint(0, 0x60, shape, dtype=np.int32)
+    return (mag | (cupy.random.randint(0, 2, shape, dtype=np.int32) << 7)).astype(np.uint8)
+
+
 def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
-                         ctx_lens: list[int]) -> Callable[[], cupy.ndarray]:
+                         ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
     """One attention launch of sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a
-    paged cache whose blocks are shuffled, with random bf16 q, K and V and 8 kv heads."""
+    paged cache whose blocks are shuffled, with random bf16 q, K and V (kv8: e4m3 codes, scales
+    0.1) and 8 kv heads."""
     import cupy
 
     from bench.kernels.kernel_bench import act
 
     hk = 8
     blocks = [-(-c // BS) for c in ctx_lens]
-    kc, vc = act(sum(blocks), BS, hk, D), act(sum(blocks), BS, hk, D)
+    make = fp8_codes if kv8 else act
+    kc, vc = make(sum(blocks), BS, hk, D), make(sum(blocks), BS, hk, D)
+    scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
     q = act(sum(q_lens), hq, D)
     table = np.zeros((len(q_lens), max(blocks)), np.int32)
     perm = rng.permutation(sum(blocks))
@@ -67,18 +80,18 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
     dev = [cupy.asarray(np.asarray(a, np.int32)) for a in (qsl, ctx_lens, table)]
 
     def call() -> cupy.ndarray:
-        return be.attention(q, kc, vc, *dev, D**-0.5, max(q_lens), max(ctx_lens))
+        return be.attention(q, kc, vc, *dev, D**-0.5, max(q_lens), max(ctx_lens), kv_scales=scales)
 
     return call
 
 
 def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
-             ctx_lens: list[int], tilings: list[str] | None = None) -> list[dict]:
+             ctx_lens: list[int], tilings: list[str] | None = None, kv8: bool = False) -> list[dict]:
     import cupy
 
     from bench.kernels.kernel_bench import time_op
 
-    call = paged_attention_call(be, rng, hq, q_lens, ctx_lens)
+    call = paged_attention_call(be, rng, hq, q_lens, ctx_lens, kv8)
     flops = causal_flops(q_lens, ctx_lens, hq)
     rows: list[dict] = []
     order = [FALLBACK_PREFILL_TILING,
@@ -107,6 +120,7 @@ def main() -> None:
     ap.add_argument("--best", default=None, help="write the fastest tiling that agrees with the default")
     ap.add_argument("--tiling", action="append", default=None, choices=sorted(PREFILL_TILINGS),
                     help="time only these (and the fallback); every tiling when not given")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
     from vt.kernels.cuda_ops import CudaBackend
 
@@ -120,7 +134,8 @@ def main() -> None:
           f"{'rel diff':>9s}")
     for hq in (32, 16):
         for label, q_lens, ctx_lens in cases:
-            for row in run_case(be, rng, hq, label, q_lens, ctx_lens, args.tiling):
+            kv8 = args.kv_cache_dtype == "fp8"
+            for row in run_case(be, rng, hq, label, q_lens, ctx_lens, args.tiling, kv8):
                 rows.append(row)
                 print(f"{hq:6d} {label:16s} {row['tiling']:7s} {row['us']:9.1f} {row['tflops']:8.1f} "
                       f"{row['speedup']:9.2f}x {row['rel_diff']:9.1e}")
