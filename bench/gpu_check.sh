@@ -236,6 +236,18 @@ for s in $steps; do
           | grep "^| target" | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
         python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
       done ;;
+    fp8_ab)  # fp8 step profiles on this tree against another checkout ($AB_BASE), alternated: a prompt step
+             # (8000 tokens beside 7 decodes: prompt attention, SiLU-mul and norm quantization) and decode steps
+      for rep in 1 2; do
+        for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
+          for shape in "7 4000 8000" "256 1024 0" "1 512 0"; do
+            read -r nb ctx pf <<< "$shape"
+            bench_in "$tree" 150 step.step_profile --preset 8b --batch "$nb" --context "$ctx" --prefill "$pf" \
+              --quantization fp8 --kv-cache-dtype "${KV:-fp8}" 2>&1 | grep -A8 "kernels per step" \
+              | sed "s|^|$([ "$tree" = . ] && echo this || echo base) b=$nb p=$pf r$rep |" | tee -a "$OUT/fp8_ab.log"
+          done
+        done
+      done ;;
     kernels_ab)  # the element kernels' times on this tree against another checkout ($AB_BASE), alternated
       for rep in 1 2; do
         for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
