@@ -16,6 +16,7 @@ import statistics
 import cupy
 import numpy as np
 
+from bench.graph_timing import median_per_call
 from vt.kernels.cuda_ops import CudaBackend
 
 REPS_IN_GRAPH = 20
@@ -61,16 +62,7 @@ def time_op(be: CudaBackend, fn) -> float:
         fn()  # warm: first-use costs stay out of the capture
     cupy.cuda.Device().synchronize()
     graph = be.capture(0, body)
-    stream = be._slots[0].stream
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(REPLAYS):
-        start.record(stream)
-        graph.replay()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / REPS_IN_GRAPH)
-    return statistics.median(times)
+    return median_per_call(be._slots[0].stream, graph.replay, REPS_IN_GRAPH, REPLAYS)
 
 
 def main() -> None:

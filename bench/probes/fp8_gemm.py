@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 
 import cupy
 import ml_dtypes
 import numpy as np
 
+from bench.graph_timing import median_per_call
 from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, CublasGemm, load_libcublas
 from vt.kernels.cublas_lt import Algo, HeuristicResult, load_libcublaslt
 
@@ -312,15 +312,7 @@ def time_graph(stream: cupy.cuda.Stream, launch, reps: int) -> float:
     g = stream.end_capture()
     g.launch(stream)
     stream.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record(stream)
-        g.launch(stream)
-        b.record(stream)
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) / reps)
-    return statistics.median(times)
+    return median_per_call(stream, lambda: g.launch(stream), reps, REPLAYS) * 1e3
 
 
 def timings(lt: LtFp8, preset: str, rows_list: list[int], modes: list[str], hbm: float) -> list[dict]:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import cupy
 import numpy as np
 
+from bench.graph_timing import median_per_call
 from bench.probes.streamk_gemm import StreamKGemm
 from vt.kernels.cublas_capture import CublasGemm, load_libcublas
 from vt.kernels.dependent_launch import DependentLauncher
@@ -108,15 +108,7 @@ def time_calls(stream: cupy.cuda.Stream, call, reps: int = REPS, replays: int = 
                 call(i)
         finally:
             graph = stream.end_capture()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(replays):
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / reps)
-    return statistics.median(times)
+    return median_per_call(stream, lambda: graph.launch(stream), reps, replays)
 
 
 def rotating_weights(rng, n: int, k: int) -> list[cupy.ndarray]:

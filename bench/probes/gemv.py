@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 
 import cupy
 import numpy as np
 
+from bench.graph_timing import median_per_call
 from bench.probes.gemm_decode import SHAPES
 from vt.kernels import numpy_fp8 as f8
 
@@ -70,16 +70,7 @@ def use_build(cb, unroll: int, min_blocks: int) -> None:
 def time_graph(cb, fn) -> float:
     """Seconds a call: fn() makes REPS calls, captured once, replayed REPLAYS times."""
     graph = cb.capture(0, fn)
-    stream = cb._slots[0].stream
-    times = []
-    for _ in range(REPLAYS):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.replay()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / REPS)
-    return statistics.median(times)
+    return median_per_call(cb._slots[0].stream, graph.replay, REPS, REPLAYS)
 
 
 def main() -> None:
