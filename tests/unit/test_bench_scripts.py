@@ -332,3 +332,34 @@ def test_overlap_probe_runs_its_steps_on_the_numpy_backend() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("|")]
     assert len(rows) == 8 and rows[-1].startswith("| side by side, decode GEMMs on 16 SMs")
+
+
+def _fake_cupy(clock: list[float]) -> ModuleType:
+    """A cupy whose events read `clock` (ms) when recorded, for timing code without a GPU."""
+    class Event:
+        def record(self, stream=None) -> None:
+            self.at = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+    cuda = ModuleType("cupy.cuda")
+    cuda.Event = Event
+    cuda.get_elapsed_time = lambda start, end: end.at - start.at
+    cupy = ModuleType("cupy")
+    cupy.cuda = cuda
+    return cupy
+
+
+def test_graph_timer_gives_the_median_replay_per_call() -> None:
+    """bench/graph_timing.median_per_call: seconds a call, the median over replays of the graph's
+    time divided by its calls (replays of 10, 40 and 20 ms holding 10 calls: 2 ms a call)."""
+    clock = [0.0]
+    durations = iter([10.0, 40.0, 20.0])
+
+    def replay() -> None:
+        clock[0] += next(durations)
+
+    with mock.patch.dict(sys.modules, {"cupy": _fake_cupy(clock)}):
+        timing = importlib.import_module("bench.graph_timing")
+        assert timing.median_per_call(None, replay, calls=10, replays=3) == pytest.approx(2e-3)
