@@ -237,8 +237,9 @@ for s in $steps; do
         python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
       done ;;
     fp8_ab)  # fp8 step profiles on this tree against another checkout ($AB_BASE), alternated: a prompt step
-             # (8000 tokens beside 7 decodes: prompt attention, SiLU-mul and norm quantization) and decode steps
-      for rep in 1 2; do
+             # (8000 tokens beside 7 decodes: prompt attention, SiLU-mul and norm quantization) and decode steps;
+             # ~45 s a profile, so one round by default (AB_REPS="1 2" for two)
+      for rep in ${AB_REPS:-1}; do
         for tree in "${AB_BASE:?AB_BASE: a checkout to compare with}" .; do
           for shape in "7 4000 8000" "256 1024 0" "1 512 0"; do
             read -r nb ctx pf <<< "$shape"
