@@ -136,11 +136,11 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     rows = max_query_len * group
     suffix = KV8_SUFFIX if kv8 else ""
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
-        smem = tc_smem(d, TC_STAGES, kv8=kv8)
         if rows <= 8:
             smem = tc_smem(d, DEC8_KV8_STAGES if kv8 else TC_STAGES, kv8=kv8, direct=True)
             return AttnKernel(f"attention_tc_d{d}_decode8{suffix}", True, 1, smem, 128)
         if rows <= 16:
+            smem = tc_smem(d, TC_STAGES, kv8=kv8)
             return AttnKernel(f"attention_tc_d{d}_decode{suffix}", True, 1, smem, 128)
         t = PREFILL_TILINGS[prefill]
         if d not in t.head_dims or (kv8 and t.kv8_smem is None):

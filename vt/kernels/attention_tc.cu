@@ -162,8 +162,8 @@ struct KvPipe {
     }
     // Wait for `tile`, then refill the stage the previous step consumed. KV8: convert the tile
     // (every warp is past the last tile's products at the first barrier) and publish it; with
-    // own_key0 >= 0 (the decode bodies, whose warps each read 16 keys of a tile) each warp converts
-    // its own keys and only waits for its own lanes.
+    // own_key0 >= 0 (the 16-row decode body, whose warps each read 16 keys of a tile) each warp
+    // converts its own keys and only waits for its own lanes. DIRECT converts nothing here.
     __device__ void advance(int tile, int own_key0 = -1) const {
         cp_async_wait<STAGES - 2>();
         // this tile landed for every thread (DIRECT: of the warp); the stage refilled below is free
@@ -486,7 +486,6 @@ __device__ __forceinline__ void attention_tc_prefill_body(ATTN_TC_PARAMS) {
 // dim8(ks, c) + 0..3, pairs (0, 2) and (1, 3)) and Q's fragments are read in the same order.
 // O^T's rows (head dims) are renamed instead: m-tile mt's rows g and g + 8 are dims
 // (D / 8) g + 2 mt and + 1, so a lane's dims of a V row are D / 8 consecutive codes.
-template <int D>
 __device__ __forceinline__ int dim8(int ks, int c) { return 64 * (ks / 4) + 16 * c + 4 * (ks % 4); }
 
 __device__ __forceinline__ unsigned int word_of(const uint4& v, int i) {
@@ -528,7 +527,7 @@ __device__ __forceinline__ void attention_tc_dec8_body(
 #pragma unroll
         for (int ks = 0; ks < DK; ++ks) {
             if constexpr (KV8) {  // dims dim8 + 0, 2 and + 1, 3: the order the K codes widen in
-                const int d0 = dim8<D>(ks, c);
+                const int d0 = dim8(ks, c);
                 const unsigned int w01 = ok ? *reinterpret_cast<const unsigned int*>(p + d0) : 0u;
                 const unsigned int w23 = ok ? *reinterpret_cast<const unsigned int*>(p + d0 + 2) : 0u;
                 qb[ks][0] = __byte_perm(w01, w23, 0x5410);
@@ -548,7 +547,7 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     const int mi = lane >> 3, mr = lane & 7;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        pipe.advance(tile, warp * 16);  // each warp reads its own 16 keys
+        pipe.advance(tile);  // KV8: each warp copies and reads its own 16 keys (DIRECT)
         const int kbase = tile * TC_KT + warp * 16;
         if (kbase <= tile_pos) {
             const bf16_t* ks = pipe.k_tile(tile) + warp * 16 * SROW;

@@ -51,6 +51,11 @@ struct RowSource {
 // as a loop of dependent loads read twice).
 #define FP8_ROW_CHUNKS 8
 
+// A row quantized from registers: per-token scales (group 0) and at most FP8_ROW_CHUNKS chunks a thread.
+__device__ __forceinline__ bool row_held(int group, int k) {
+    return group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS;
+}
+
 // The row's values held in registers (chunk i of this thread at column (threadIdx.x + i *
 // FP8_THREADS) * 8): its amax, codes and scale.
 __device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __restrict__ q,
@@ -76,7 +81,7 @@ __device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __re
 // a second read of the row, from cache).
 __device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
-    if (group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS) {
+    if (row_held(group, k)) {
         float f[FP8_ROW_CHUNKS][8];
 #pragma unroll
         for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
@@ -138,7 +143,7 @@ extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const 
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * k;
-    if (group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS) {
+    if (row_held(group, k)) {
         // The row read once: its sum of squares in row_inv_rms's order, then normed from registers.
         float f[FP8_ROW_CHUNKS][8];
         float ss = 0.f;
