@@ -131,8 +131,7 @@ def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
     assert np.abs(g - w).max() <= 1 and (g != w).mean() < 0.01
 
 
-# Rows up to 16384 wide stay in registers between amax and quantization; 16384 + 64 takes the
-# two-read path.
+# quantize_rows reads a per-token row twice (amax, then codes) at every width.
 @pytest.mark.parametrize(("rows", "k", "group"), [(3, 64, None), (5, 4096 + 8, None), (3, 16384, None),
                                                    (3, 16384 + 64, None), (4, 384, 128), (2, 128 * 33, 128)])
 def test_quantize_rows_kernel_is_bit_exact(lib, rows, k, group):
@@ -170,7 +169,10 @@ def test_rms_norm_quant_kernel_matches_numpy(lib, rows, k, group):
     _codes_agree(q, want_q)
 
 
-@pytest.mark.parametrize(("rows", "inter", "group"), [(3, 8 * 50, None), (2, 12288, None), (2, 384, 128)])
+# SiLU-mul holds rows of up to 16384 in registers between amax and quantization; 16384 + 64 takes
+# the two-read path.
+@pytest.mark.parametrize(("rows", "inter", "group"), [(3, 8 * 50, None), (2, 12288, None),
+                                                      (3, 16384 + 64, None), (2, 384, 128)])
 def test_silu_mul_quant_kernel_matches_numpy(lib, rows, inter, group):
     rng = np.random.default_rng(inter)
     x = _bf16(rng.standard_normal((rows, 2 * inter)) * 3)

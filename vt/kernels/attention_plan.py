@@ -47,10 +47,10 @@ def wgr_smem(stages: int = 3, kv8: bool = False) -> int:
     tiles): the 1024-byte alignment pad, Q [2][128][128 B], per stage a swizzled K tile and a V
     tile stored like it ([2][128 keys][128 B] each), the cache row offsets of 128 keys a stage,
     and 16 bytes for the word the softmax's sums are stored to. Three stages come to 231,952
-    bytes, within Hopper's 232,448 a block. kv8 (an fp8 cache): two bf16 K and two V tiles, the
-    products' widened copies, and two fp8 stages of K and of V (128 keys x 128 codes each; a stage
-    is free once widened), with the offsets of `stages` tiles: 231,952 bytes, as the bf16 kernel."""
-    tiles = 4 * 2 * 128 * 128 + 2 * 2 * 128 * 128 if kv8 else stages * 2 * 2 * 128 * 128
+    bytes, within Hopper's 232,448 a block. kv8 (an fp8 cache): one such bf16 K and V tile, the
+    products' converted copy, and per stage an fp8 K and V tile of 128 keys x 128 codes (199,184
+    bytes with three stages)."""
+    tiles = 2 * 2 * 128 * 128 + stages * 2 * 128 * 128 if kv8 else stages * 2 * 2 * 128 * 128
     return 1024 + 2 * 128 * 128 + tiles + stages * 128 * 4 + 16
 
 

@@ -27,9 +27,7 @@
 // the output), with a second barrier before the MMAs. Half the bytes a key cross HBM and L2.
 // DIRECT (KV8, the decode8 body): no bf16 tile; the MMAs' fragments are widened in registers
 // straight from the fp8 stages, whose 16-byte pieces sit at swizzled places in a row (k_piece,
-// v_piece) so that the readers' 16-byte loads meet no bank twice. Warp w reads only keys 16 w ..
-// 16 w + 15 of a tile, so it also fetches their offsets and copies them itself and waits for its
-// own lanes (`__syncwarp`): the four warps stream their slices without a block barrier a tile.
+// v_piece) so that the readers' 16-byte loads meet no bank twice.
 template <int D, int STAGES, int NT = 128, bool KV8 = false, bool DIRECT = false>
 struct KvPipe {
     static_assert(!DIRECT || KV8, "only an fp8 cache is read without a converted tile");
@@ -50,7 +48,6 @@ struct KvPipe {
     static constexpr size_t KV_BYTES = KV8 ? TILE16_BYTES + STAGES * STAGE8_BYTES : STAGES * TILE_BYTES;
     static constexpr size_t BYTES = KV_BYTES + (size_t)STAGES * TC_KT * sizeof(unsigned int);
     static_assert(NT >= TC_KT && TC_KT % TPP == 0, "a copy pass covers whole keys of the tile");
-    static_assert(!DIRECT || NT / 32 * 16 == TC_KT, "DIRECT: each warp owns 16 keys of a tile");
     __device__ const bf16_t* k_tile(int tile) const {
         if constexpr (KV8) return kv_s;  // the converted tile
         return kv_s + (size_t)((tile - tile0) % STAGES) * 2 * TC_KT * SROW;  // its V tile follows
@@ -67,28 +64,20 @@ struct KvPipe {
         return p ^ ((((row >> 1) & 3) * 2) & (D / 16 - 1));
     }
 
-    // The offset of key k (of `tile`; the thread's index, DIRECT: 16 w + lane for lanes 0-15 of
-    // warp w) into its slot.
     __device__ void fetch(int tile) const {
-        const unsigned int k = DIRECT ? (threadIdx.x >> 5) * 16 + (threadIdx.x & 31) : threadIdx.x;
-        if ((DIRECT ? (threadIdx.x & 31) < 16 : threadIdx.x < TC_KT) && tile < tile1) {
-            const int kpos = tile * TC_KT + k;
+        if (threadIdx.x < TC_KT && tile < tile1) {
+            const int kpos = tile * TC_KT + threadIdx.x;
             unsigned int off = NONE;
             if (kpos < kv_end) {
                 const size_t blk = (size_t)table[kpos / block_size];
                 off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
             }
-            off_s[(tile % STAGES) * TC_KT + k] = off;
+            off_s[(tile % STAGES) * TC_KT + threadIdx.x] = off;
         }
     }
-    // This thread's copies of `tile`: piece `part` of keys tok0 + i * TPP (DIRECT: of its warp's 16
-    // keys, 32 / PARTS a pass).
-    static constexpr int LOAD_STEP = DIRECT ? 32 / PARTS : TPP;
-    static constexpr int LOADS = DIRECT ? 16 / LOAD_STEP : TC_KT / TPP;
     __device__ void load(int tile) const {
         const unsigned int* offs = off_s + (tile % STAGES) * TC_KT;
-        const unsigned int lid = DIRECT ? threadIdx.x & 31 : threadIdx.x;
-        const int part = lid % PARTS, tok0 = (DIRECT ? (threadIdx.x >> 5) * 16 : 0) + lid / PARTS;
+        const int part = threadIdx.x % PARTS, tok0 = threadIdx.x / PARTS;
         // In bytes: offsets count 16-byte pieces of the cache either way; a staged row is SROW
         // bf16 (padded) or D codes.
         constexpr int ROW_BYTES = KV8 ? D : SROW * (int)sizeof(bf16_t);
@@ -97,8 +86,8 @@ struct KvPipe {
         const unsigned char* kc = reinterpret_cast<const unsigned char*>(k_cache);
         const unsigned char* vc = reinterpret_cast<const unsigned char*>(v_cache);
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
-            const int tok = tok0 + i * LOAD_STEP;
+        for (int i = 0; i < TC_KT / TPP; ++i) {
+            const int tok = tok0 + i * TPP;
             const unsigned int off = offs[tok];
             const bool ok = off != NONE;
             const size_t src = ok ? ((size_t)off + part) * 16 : 0;
@@ -147,8 +136,7 @@ struct KvPipe {
     // that kernel still runs, and waits for it before anything it writes.
     __device__ void start(int fresh_tile) const {
         for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
-        if constexpr (DIRECT) __syncwarp();
-        else __syncthreads();
+        __syncthreads();
         int i = 0;
         for (; i < STAGES - 1 && tile0 + i < fresh_tile; ++i) {
             if (tile0 + i < tile1) load(tile0 + i);
@@ -166,9 +154,7 @@ struct KvPipe {
     // converts its own keys and only waits for its own lanes. DIRECT converts nothing here.
     __device__ void advance(int tile, int own_key0 = -1) const {
         cp_async_wait<STAGES - 2>();
-        // this tile landed for every thread (DIRECT: of the warp); the stage refilled below is free
-        if constexpr (DIRECT) __syncwarp();
-        else __syncthreads();
+        __syncthreads();  // this tile landed for every thread; the stage refilled below is free
         if constexpr (KV8 && !DIRECT) {
             if (own_key0 >= 0) convert_keys(tile, own_key0);
             else convert(tile);
@@ -547,7 +533,7 @@ __device__ __forceinline__ void attention_tc_dec8_body(
     const int mi = lane >> 3, mr = lane & 7;
 
     for (int tile = tile0; tile < tile1; ++tile) {
-        pipe.advance(tile);  // KV8: each warp copies and reads its own 16 keys (DIRECT)
+        pipe.advance(tile);  // DIRECT widens from the stage; no converted tile
         const int kbase = tile * TC_KT + warp * 16;
         if (kbase <= tile_pos) {
             const bf16_t* ks = pipe.k_tile(tile) + warp * 16 * SROW;

@@ -308,16 +308,13 @@ ATTENTION_WG_ENTRY(attention_wgv_d128_prefill, 2, 3, true, true)
 // P V, the N-major B of 64 dims: 8 keys of 128 B an atom, the next 8 keys 1024 bytes on, the
 // other 64 dims a half (16 KB, the leading offset) on; a k-step of 16 keys is 2048 bytes.
 //
-// KV8 (an fp8 cache of e4m3 codes, attention_tc.cu's KvPipe scheme): the same copy schedule lands
-// the codes in fp8 stages ([2][128 keys][128 B] for K, then V, unswizzled), and the products read
-// two bf16 K and two bf16 V tiles. Step t, its products issued (S(t) on K tile t % 2, P V(t - 1)
-// on V tile (t - 1) % 2), waits for step t - 1's copy group (K(t + 1), V(t)), meets a barrier and
-// widens K(t + 1) and V(t) into the other tiles, whose last readers (S(t - 1), P V(t - 2)) retired
-// in step t - 1: the widening runs beside the tensor cores, and the next step's barrier, after each
-// thread's fence.proxy.async, publishes it. An fp8 stage is free once widened, so two a tensor
-// suffice: Q (32 KB), the bf16 tiles (128 KB), the fp8 stages (64 KB), the offsets and the sink are
-// attention_plan.wgr_smem(kv8=True), the bf16 kernel's size. Scales as in attention_tc.cu: k_scale
-// is in scale_log2, v_scale multiplies the output.
+// KV8 (an fp8 cache of e4m3 codes, attention_tc.cu's KvPipe scheme): the same schedule lands the
+// codes in fp8 stages ([3][128 keys][128 B] for K, then V, unswizzled) and step t, after its
+// barrier, converts K(t) and V(t - 1) into the one bf16 K and V tile the products read (laid out
+// as above), then fences them for the async proxy and meets a second barrier. The products of
+// step t - 1 are retired by then, so one bf16 tile each suffices: Q, K, V (32 KB each), the fp8
+// stages (96 KB), the offsets and the sink, attention_plan.wgr_smem(kv8=True). Scales as in
+// attention_tc.cu: k_scale is in scale_log2, v_scale multiplies the output.
 
 #define WGR_KT 128                 // keys a tile
 #define WGR_HALF (WGR_KT * 128)    // a K or V tile's 64-dim half: [128 keys][128 B]
@@ -351,7 +348,6 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     constexpr int PARTS = KV8 ? WG_D / 16 : WG_D / 8;  // 16-byte pieces of a cached head row
     constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8 (KV8 4)
     constexpr int STAGE_BYTES = KV8 ? WGR_TILE8 : WGR_TILE;  // a K (or V) stage
-    constexpr int CSTAGES = KV8 ? 2 : STAGES;  // stages the copies land in (KV8: fp8 ones)
     extern __shared__ __align__(16) unsigned char smem[];
 
     ATTN_BLOCK_LOCALS(ROWS, KT);
@@ -363,14 +359,13 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     unsigned char* gbase;
     const unsigned base = smem_base_1024(smem, gbase);
     const unsigned q_s = base;
-    // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: tile t at
-    // k_s + (t % 2) * WGR_TILE, V's likewise)
+    // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: one each)
     const unsigned k_s = base + Q_BYTES;
-    const unsigned v_s = k_s + (KV8 ? 2 : STAGES) * WGR_TILE;
+    const unsigned v_s = k_s + (KV8 ? 1 : STAGES) * WGR_TILE;
     // Where the copies land: those stages, or (KV8) the fp8 K stages, then V's
-    const unsigned kc_s = KV8 ? v_s + 2 * WGR_TILE : k_s;
-    const unsigned vc_s = KV8 ? kc_s + CSTAGES * WGR_TILE8 : v_s;
-    const unsigned off_at = vc_s + CSTAGES * STAGE_BYTES;
+    const unsigned kc_s = KV8 ? v_s + WGR_TILE : k_s;
+    const unsigned vc_s = KV8 ? kc_s + STAGES * WGR_TILE8 : v_s;
+    const unsigned off_at = vc_s + STAGES * STAGE_BYTES;
     unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (off_at - base));
     const unsigned sink = off_at + STAGES * KT * 4;  // a word never read
     const int* table = block_tables + (size_t)b * max_blocks;
@@ -401,7 +396,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     const unsigned dst0 = KV8 ? key0 * WG_D + part * 16
                               : (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
     auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
-        const unsigned dst = slots + (tile % CSTAGES) * STAGE_BYTES + dst0;
+        const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + dst0;
         const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
         const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
         const int valid = kv_end - tile * KT - key0;  // this thread's keys i with (NT / PARTS) i < valid are real
@@ -428,12 +423,11 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     if (tile0 < tile1) copy_tile(tile0, vc_s, v_cache);
     cp_async_commit();
     // The first step's P V multiplies a zero P by the V stage of tile0 - 1, which no copy fills
-    // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN (KV8: the
-    // bf16 V tile of tile0 - 1, which nothing widens into before step tile0's middle).
+    // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN (KV8: its
+    // fp8 stage, which step tile0 converts; code 0 is 0).
     {
-        const unsigned vz = KV8 ? v_s + ((tile0 + 1) & 1) * WGR_TILE
-                                : vc_s + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES;
-        for (int e = tid; e < WGR_TILE / 4; e += NT) st_shared_u32(vz + e * 4, 0u);
+        const unsigned vz = vc_s + ((tile0 + STAGES - 1) % STAGES) * STAGE_BYTES;
+        for (int e = tid; e < STAGE_BYTES / 4; e += NT) st_shared_u32(vz + e * 4, 0u);
     }
 
     float o[16][4];
@@ -449,41 +443,27 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // step refills; then the refill: K(t + 2), V(t + 1). (The step's fetch, of tile t + 3's
     // offsets into the slot tile t's held, comes after its products are issued: the block
     // table's load then waits behind them, not before them.)
-    // KV8: K(t) and V(t - 1) were widened in step t - 1's middle (widen_next) and this barrier,
-    // after each thread's fence, publishes them; the first step widens K(tile0) here, before the
-    // copy into its fp8 stage is issued. The fp8 stages refilled here were widened a step ago.
-    auto widen = [&](unsigned tiles16, unsigned stages8, int tile) {
-        wgr_convert_tile<NT>(gbase + (tiles16 - base) + (tile & 1) * WGR_TILE,
-                             gbase + (stages8 - base) + (tile % CSTAGES) * WGR_TILE8, tid);
-    };
+    // KV8: then K(t) (a real tile) and V(t - 1) into the bf16 tiles, published by a second
+    // barrier; the fp8 stages refilled here were converted a step ago.
     auto next_tile = [&](int tile) {
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        if constexpr (KV8) {
-            if (tile == tile0 && tile < tile1) {
-                widen(k_s, kc_s, tile);
-                fence_proxy_async();  // for S(tile0)
-                __syncthreads();      // read before K(tile0 + 2)'s copies land on it
-            }
-        }
         if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache);
         if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
         cp_async_commit();
-    };
-    // KV8, step t with its products issued: K(t + 1) and V(t), copied with step t - 1's group,
-    // into the tiles S(t - 1) and P V(t - 2) read, while S(t) and P V(t - 1) run on the others.
-    auto widen_next = [&](int tile) {
         if constexpr (KV8) {
-            cp_async_wait<1>();  // this thread's copies of step t - 1's group have landed
-            __syncthreads();     // ... and every thread's
-            if (tile + 1 < tile1) widen(k_s, kc_s, tile + 1);
-            widen(v_s, vc_s, tile);
+            if (tile < tile1)
+                wgr_convert_tile<NT>(gbase + (k_s - base), gbase + (kc_s - base) + (tile % STAGES) * WGR_TILE8, tid);
+            wgr_convert_tile<NT>(gbase + (v_s - base),
+                                 gbase + (vc_s - base) + ((tile + STAGES - 1) % STAGES) * WGR_TILE8, tid);
+            fence_proxy_async();  // the converted tiles, for the products
+            __syncthreads();
         }
     };
     // S = Q K^T of `tile`, this warpgroup's 64 rows x 128 keys, issued.
     auto issue_s = [&](int tile, float (&s)[16][4]) {
-        const unsigned kt = k_s + (KV8 ? tile & 1 : tile % STAGES) * WGR_TILE;
+        const unsigned kt = KV8 ? k_s : k_s + (tile % STAGES) * WGR_TILE;
 #pragma unroll
         for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();  // also orders the last step's writes of o and pa before the products below
@@ -497,7 +477,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // O += P V of `vtile` (P in pa), issued: k-step kk takes pa[2kk], pa[2kk + 1] and V's keys
     // 16 kk .. 16 kk + 15.
     auto issue_pv = [&](int vtile) {
-        const unsigned vt = v_s + (KV8 ? vtile & 1 : (vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
+        const unsigned vt = KV8 ? v_s : v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
             WgmmaRATB<128>::mma(&o[0][0], &pa[2 * kk][0], sw128_mn_desc(vt + kk * 2048, WGR_HALF), 1);
@@ -512,7 +492,6 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         issue_s(tile, s);
         issue_pv(tile - 1);
         fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
-        widen_next(tile);
         wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
         Wgmma<128>::pin(&s[0][0]);
         const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);

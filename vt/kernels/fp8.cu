@@ -47,8 +47,11 @@ struct RowSource {
 
 // Chunks of 8 a thread keeps in registers between a row's amax and its quantization: rows of up to
 // FP8_THREADS * 8 * FP8_ROW_CHUNKS values (16384) are read once, all of a thread's loads issued
-// before their values are needed (down_proj's 12288-wide input of a prompt chunk ran at ~1.7 TB/s
-// as a loop of dependent loads read twice).
+// before their values are needed. Only SiLU-mul holds its rows (HOLD): down_proj's 12288-wide input
+// of an 8000-token prompt step went from 10.5 to 7.9 ms on an H100, while the 4096-wide norm and
+// attention-output rows ran slower held (3.3 -> 5.8 and ~1.5 -> 2.7 ms: the 96 registers a thread
+// cut the blocks an SM from eight to two, and a 4096-wide row has only two chunks a thread to
+// overlap), so those kernels keep the loop and its occupancy.
 #define FP8_ROW_CHUNKS 8
 
 // A row quantized from registers: per-token scales (group 0) and at most FP8_ROW_CHUNKS chunks a thread.
@@ -77,11 +80,12 @@ __device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __re
     if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
 }
 
-// One block a row of width k: amax, then the quantized row (held in registers, or for longer rows
-// a second read of the row, from cache).
+// One block a row of width k: amax, then the quantized row (HOLD: held in registers where it fits;
+// otherwise a second read of the row, from cache).
+template <bool HOLD>
 __device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
-    if (row_held(group, k)) {
+    if (HOLD && row_held(group, k)) {
         float f[FP8_ROW_CHUNKS][8];
 #pragma unroll
         for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
@@ -131,7 +135,7 @@ extern "C" __global__ void quantize_rows_k(const bf16_t* __restrict__ x, long lo
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const RowSource src{x + (size_t)row * ld, nullptr, nullptr, 1.f};
-    quantize_row(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
+    quantize_row<false>(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
 }
 
 // The input norm of an fp8 projection: q, scale <- x[r] * rsqrt(mean(x[r]^2) + eps) * weight.
@@ -143,33 +147,8 @@ extern "C" __global__ void rms_norm_quant_k(const bf16_t* __restrict__ x, const 
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * k;
-    if (row_held(group, k)) {
-        // The row read once: its sum of squares in row_inv_rms's order, then normed from registers.
-        float f[FP8_ROW_CHUNKS][8];
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
-            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-            if (c < k) {
-                load8(xr + c, f[i]);
-                for (int e = 0; e < 8; ++e) ss += f[i][e] * f[i][e];
-            }
-        }
-        const float s = rsqrtf(block_sum(ss, scratch) / (float)k + eps);
-#pragma unroll
-        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
-            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-            if (c < k) {
-                float w[8];
-                load8(weight + c, w);
-                for (int e = 0; e < 8; ++e) f[i][e] = f[i][e] * s * w[e];
-            }
-        }
-        quantize_held(f, q + (size_t)row * k, scale, row, k, scratch);
-        return;
-    }
     const RowSource src{xr, nullptr, weight, row_inv_rms(xr, k, eps, scratch)};
-    quantize_row(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
+    quantize_row<false>(src, q + (size_t)row * k, scale, row, k, group, scale_ld, scratch);
 }
 
 // down_proj's input: q, scale <- silu(x[r, :inter]) * x[r, inter:]. Grid: rows.
@@ -180,7 +159,7 @@ extern "C" __global__ void silu_mul_quant_k(const bf16_t* __restrict__ x, unsign
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * 2 * inter;
     const RowSource src{xr, xr + inter, nullptr, 1.f};
-    quantize_row(src, q + (size_t)row * inter, scale, row, inter, group, scale_ld, scratch);
+    quantize_row<true>(src, q + (size_t)row * inter, scale, row, inter, group, scale_ld, scratch);
 }
 
 // y += x elementwise over chunks of 8 bf16 (rounded once): a block-scaled product computed for
