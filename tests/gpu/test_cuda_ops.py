@@ -229,27 +229,6 @@ def test_decode_rows_run_the_gemv_and_match_numpy(cb, nb, rng, t, n, k, monkeypa
     assert rel_err(got - res, ref - res) < BF16_TOL
 
 
-@pytest.mark.parametrize("next_elems", [8 * 1237, 24 << 20])
-def test_the_gemv_prefetch_hint_changes_no_output(cb, rng, next_elems, monkeypatch):
-    """A GEMV told to prefetch the next weight (bytes no block's share divides; more than the
-    limit) writes the same bits as one told nothing, eagerly and in a graph, and faults nowhere."""
-    monkeypatch.setattr(cb, "gemv_max_tokens", 16)
-    monkeypatch.setattr(cb, "gemv_prefetch_bytes", 16 << 20)
-    x, w = bf16(rng.standard_normal((3, 512))), bf16(rng.standard_normal((776, 512)) / 20)
-    nxt = act(cb, np.zeros((next_elems,), np.float32))
-    xd, wd = act(cb, x), act(cb, w)
-    with cb.slot(0):
-        plain = cb.to_host(cb.linear(xd, wd, None))
-        hinted = cb.to_host(cb.linear(xd, wd, None, then=nxt))
-    np.testing.assert_array_equal(hinted, plain)
-    r = act(cb, x[:, :1].repeat(776, 1))
-    cb.capture(0, lambda: cb.linear_residual(xd, wd, r, then=nxt)).replay()
-    ref = act(cb, x[:, :1].repeat(776, 1))
-    with cb.slot(0):
-        cb.linear_residual(xd, wd, ref)
-    np.testing.assert_array_equal(cb.to_host(r), cb.to_host(ref))
-
-
 @pytest.mark.parametrize("n,k", [(3072, 512), (512, 768)])
 def test_gemm_layout_keeps_linear_and_linear_residual(cb, nb, rng, n, k):
     """A wide weight comes back column-major, others as they were; linear and linear_residual

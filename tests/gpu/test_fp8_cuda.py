@@ -108,19 +108,6 @@ def test_fp8_gemm_matches_the_numpy_scaled_gemm(cb, rows, block, shape, monkeypa
     assert rel_err(cb.to_host(acc), residual + want) < GEMM_TOL
 
 
-def test_the_fp8_gemv_prefetch_hint_changes_no_output(cb, monkeypatch):
-    """The fp8 GEMV told to prefetch the next weight's codes (an Fp8Weight, bytes no share
-    divides) writes the same bits as one told nothing."""
-    monkeypatch.setattr(cb, "gemv_max_tokens", 16)
-    rng = np.random.default_rng(4)
-    x = bf16(rng.standard_normal((5, 1024)))
-    w = cb.upload_fp8(*f8.quantize_weight_channel(rng.standard_normal((512, 1024)).astype(np.float32) * 0.02))
-    nxt = cb.upload_fp8(*f8.quantize_weight_channel(rng.standard_normal((208, 1040)).astype(np.float32)))
-    xa = cb.quantize_fp8(cb.from_host(x, "act"), None)
-    plain = cb.to_host(cb.linear_fp8(xa, w, None))
-    np.testing.assert_array_equal(cb.to_host(cb.linear_fp8(xa, w, None, then=nxt)), plain)
-
-
 def test_fp8_gemm_replays_in_a_graph(cb):
     rng = np.random.default_rng(3)
     x = bf16(rng.standard_normal((64, 1024)))

@@ -15,16 +15,14 @@ import pytest
 from tests.cuda_sim import SimUnavailable, build_kernels
 from vt.kernels import numpy_fp8 as f8
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_P, _I = ctypes.c_void_p, ctypes.c_int
 _FP8 = ("const unsigned char* xq, const float* xs, int xs_ld, const unsigned char* wq, const float* ws, "
-        "int ws_ld, bf16_t* y, int ldy, int tokens, int n, int k, int block, int accumulate, "
-        "const unsigned char* next, long long next_bytes",
-        "xq, xs, xs_ld, wq, ws, ws_ld, y, ldy, tokens, n, k, block, accumulate, next, next_bytes",
-        [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _P, _L])
+        "int ws_ld, bf16_t* y, int ldy, int tokens, int n, int k, int block, int accumulate",
+        "xq, xs, xs_ld, wq, ws, ws_ld, y, ldy, tokens, n, k, block, accumulate",
+        [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I])
 _BF16 = ("const bf16_t* x, int ldx, const bf16_t* w, const bf16_t* bias, bf16_t* y, int ldy, int tokens, "
-         "int n, int k, int accumulate, const unsigned char* next, long long next_bytes",
-         "x, ldx, w, bias, y, ldy, tokens, n, k, accumulate, next, next_bytes",
-         [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _L])
+         "int n, int k, int accumulate", "x, ldx, w, bias, y, ldy, tokens, n, k, accumulate",
+         [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I])
 _KERNELS = {"gemv_fp8_8_k": _FP8, "gemv_fp8_16_k": _FP8, "gemv_bf16_8_k": _BF16, "gemv_bf16_16_k": _BF16}
 
 
@@ -44,14 +42,9 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
-# A next weight to prefetch whose bytes no block's share divides evenly (the simulator's prefetch
-# does nothing; the shares' arithmetic still runs beside the product it must leave unchanged).
-_NEXT = np.zeros(16 * 1237, np.uint8)
-
-
 def _launch(lib, kernel: str, tokens: int, n: int, *args) -> None:
     name = f"sim_{kernel}_{8 if tokens <= 8 else 16}_k"
-    assert getattr(lib, name)(-(-n // 16), 1, 1, 256, 0, *args, _NEXT.ctypes.data, _NEXT.nbytes) == 0
+    assert getattr(lib, name)(-(-n // 16), 1, 1, 256, 0, *args) == 0
 
 
 def _output(rng, tokens: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -92,15 +92,12 @@ class Backend(Protocol):
     def head_rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         """Per-head RMS norm (Qwen3 q/k norm): x act[T, N, D], weight act[D] -> act[T, N, D]."""
 
-    def linear(self, x: Array, w: Array, bias: Array | None, then: Any = None) -> Array:
-        """x act[T, K], w act[N, K], bias act[N] -> act[T, N] = x @ w.T + bias, fp32 accumulation.
-        then: the weight the next projection reads (a hint: CUDA's decode GEMVs start pulling its
-        first bytes into L2; no result depends on it)."""
+    def linear(self, x: Array, w: Array, bias: Array | None) -> Array:
+        """x act[T, K], w act[N, K], bias act[N] -> act[T, N] = x @ w.T + bias, fp32 accumulation."""
 
-    def linear_residual(self, x: Array, w: Array, residual: Array, then: Any = None) -> None:
+    def linear_residual(self, x: Array, w: Array, residual: Array) -> None:
         """In place: residual act[T, N] += x act[T, K] @ w act[N, K].T, accumulated in fp32 with
-        the residual and rounded once (a layer's residual add inside its output projection).
-        then: as for linear."""
+        the residual and rounded once (a layer's residual add inside its output projection)."""
 
     def gemm_layout(self, w: Array) -> Array:
         """At setup: projection weight w act[N, K] (after any fold_norm_weight) as linear and

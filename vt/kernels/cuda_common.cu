@@ -112,15 +112,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Asks L2 to start fetching bytes [p, p + bytes) from HBM: a hint that nothing waits for and that
-// changes no result if dropped (p and bytes multiples of 16). sm_90's bulk prefetch; a no-op on
-// older cards and on the host simulator.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // Where a block of the paged attention grid sits (x = row tile, y = kv head, z = sequence *
 // num_splits; rows are (token, GQA head) pairs of one kv head), and the key tiles of `kt` keys
 // it covers: up to the position of its last row, this split's share of them.

@@ -10,22 +10,20 @@ from vt.kernels import attention, elementwise, fp8, gemm, sampling
 from vt.kernels.attention import AttentionOps, requested_prefill_tiling
 from vt.kernels.elementwise import ElementwiseOps
 from vt.kernels.fp8 import Fp8Ops
-from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens, requested_gemv_prefetch_bytes
+from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens
 from vt.kernels.sampling import SamplingOps
 
 
 class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     """base.Backend on one GPU; prefill_tiling (or VT_PREFILL_TILING) picks the prompt attention
     tiling (attention_plan.PREFILL_TILINGS); gemv_max_tokens (or VT_GEMV_MAX_TOKENS) the largest
-    step whose projections run on gemv.cu; gemv_prefetch_bytes (or VT_GEMV_PREFETCH_MB) how much
-    of the next projection's weight each GEMV prefetches into L2."""
+    step whose projections run on gemv.cu."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None,
-                 gemv_max_tokens: int | None = None, gemv_prefetch_bytes: int | None = None) -> None:
+                 gemv_max_tokens: int | None = None) -> None:
         requested = requested_prefill_tiling(prefill_tiling)
         self.gemv_max_tokens = requested_gemv_max_tokens(gemv_max_tokens)
-        self.gemv_prefetch_bytes = requested_gemv_prefetch_bytes(gemv_prefetch_bytes)
         kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **gemm.KERNELS,
                    **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)

@@ -112,11 +112,10 @@ class Fp8Ops(CudaCore):
         return a
 
     # ---- GEMMs ------------------------------------------------------------------------------
-    def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: cupy.ndarray | None,
-                   then: object | None = None) -> cupy.ndarray:
+    def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: cupy.ndarray | None) -> cupy.ndarray:
         t, n = x.rows, w.q.shape[0]
         y = self._out((x.q.shape[0], n), np.uint16)
-        self._fp8_gemm_into(x, w, y, accumulate=False, then=then)
+        self._fp8_gemm_into(x, w, y, accumulate=False)
         y = y[:t]
         if bias is not None and t:
             if n % 8:
@@ -124,14 +123,13 @@ class Fp8Ops(CudaCore):
             self._launch("bias_add_k", (-(-(t * n // 8) // 256),), (256,), (y, bias, _i32(t), _i32(n)))
         return y
 
-    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray,
-                            then: object | None = None) -> None:
+    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
         check_rows(residual, "linear_fp8_residual residual")
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
         if x.q.shape[0] == t or self._gemv_fits(x, x.q.shape[1]):  # the GEMV runs the real rows only
-            self._fp8_gemm_into(x, w, residual, accumulate=True, then=then)
+            self._fp8_gemm_into(x, w, residual, accumulate=True)
             return
         # padded rows (block scales): the product lands beside the residual, then is added to it
         y = self._out((x.q.shape[0], n), np.uint16)
@@ -140,8 +138,7 @@ class Fp8Ops(CudaCore):
             chunks = t * n // 8
             self._launch("add_rows_k", (-(-chunks // 256),), (256,), (residual, y, np.int64(chunks)))
 
-    def _fp8_gemm_into(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool,
-                       then: object | None = None) -> None:
+    def _fp8_gemm_into(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
         t, k = x.q.shape  # the GEMM's rows, padded ones included
         n, kw = w.q.shape
         if k != kw or (x.group is not None) != w.block:
@@ -150,7 +147,7 @@ class Fp8Ops(CudaCore):
         if not t or not n:
             return
         if self._gemv_fits(x, k):
-            self._fp8_gemv(x, w, y, accumulate, then)
+            self._fp8_gemv(x, w, y, accumulate)
             return
         gemm = self._current_gemm()
         self._lt().linear(cupy.cuda.get_current_stream().ptr, x.q.data.ptr, x.scale.data.ptr, w.q.data.ptr,
@@ -162,11 +159,10 @@ class Fp8Ops(CudaCore):
         block scales, whose groups each chunk must stay inside)."""
         return 0 < x.rows <= self.gemv_max_tokens and k % (128 if x.group else 64) == 0
 
-    def _fp8_gemv(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool,
-                  then: object | None) -> None:
+    def _fp8_gemv(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
         n, k = w.q.shape
         xs_ld = x.scale.shape[-1] if x.group else 0  # group-major block scales: [groups, padded rows]
         ws_ld = w.scale.shape[1] if w.block else 0
         args = (x.q, x.scale, _i32(xs_ld), w.q, w.scale, _i32(ws_ld), y, _i32(y.strides[0] // 2),
                 _i32(x.rows), _i32(n), _i32(k), _i32(int(w.block)), _i32(int(accumulate)))
-        launch_gemv(self, "fp8", x.rows, n, args, then, self.gemv_prefetch_bytes)
+        launch_gemv(self, "fp8", x.rows, n, args)

@@ -21,9 +21,6 @@ GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, 16
 # 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; at 9-16 (the
 # two-tile kernel) it wins on o_proj and down and loses on fp8 qkv and gate_up, about even a layer.
 GEMV_MAX_TOKENS = 16
-# The most bytes of the next projection's weight a GEMV asks L2 to prefetch (gemv.cu): well inside
-# an H100's 50 MB L2, so what arrives early is still there when the next GEMV reads it.
-GEMV_PREFETCH_BYTES = 24 << 20
 _i32 = np.int32
 
 
@@ -41,51 +38,21 @@ def requested_gemv_max_tokens(value: int | None) -> int:
     return value
 
 
-def requested_gemv_prefetch_bytes(value: int | None) -> int:
-    """Bytes of the next projection's weight each GEMV prefetches into L2 (0: none): the argument,
-    or for benchmarks that start vt as a server VT_GEMV_PREFETCH_MB (MiB), else GEMV_PREFETCH_BYTES."""
-    if value is None:
-        text = os.environ.get("VT_GEMV_PREFETCH_MB", "")
-        if not text:
-            return GEMV_PREFETCH_BYTES
-        try:
-            value = int(text) << 20
-        except ValueError:
-            raise ValueError(f"VT_GEMV_PREFETCH_MB must be an integer, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"the GEMV prefetch must be 0 or more bytes, got {value}")
-    return value
-
-
-def prefetch_span(then: object | None, limit: int) -> tuple[object, np.int64]:
-    """gemv.cu's (next, next_bytes) for `then`, the weight the next projection reads (a bf16 array
-    or an Fp8Weight, whose codes are what streams): its first `limit` bytes, in whole 16-byte
-    pieces; (0, 0), a null pointer and nothing, for none."""
-    w = getattr(then, "q", then)
-    if w is None or limit <= 0 or not isinstance(w, cupy.ndarray) or w.data.ptr % 16:
-        return 0, np.int64(0)
-    return w, np.int64(min(w.nbytes, limit) // 16 * 16)
-
-
-def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple, then: object | None,
-                prefetch_bytes: int) -> None:
+def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple) -> None:
     """gemv.cu's `kind` (bf16, fp8) kernel for `tokens` (one tile of 8, or two), a block per 16
     weight rows, launched as a dependent of the kernel that makes x: its first weights stream while
-    that one ends. It prefetches up to prefetch_bytes of `then` into L2 (prefetch_span)."""
+    that one ends."""
     name = f"gemv_{kind}_{8 if tokens <= 8 else 16}_k"
-    args = (*args, *prefetch_span(then, prefetch_bytes))
     ops._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
 
 
 class GemmOps(CudaCore):
     gemv_max_tokens: int = GEMV_MAX_TOKENS
-    gemv_prefetch_bytes: int = GEMV_PREFETCH_BYTES
 
-    def linear(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None,
-               then: cupy.ndarray | None = None) -> cupy.ndarray:
+    def linear(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
         if self._bf16_gemv_fits(x, w):
             y = self._out((x.shape[0], w.shape[0]), np.uint16)
-            self._bf16_gemv(x, w, bias, y, accumulate=False, then=then)
+            self._bf16_gemv(x, w, bias, y, accumulate=False)
             return y
         y = self._gemm(x, w, out_f32=False)
         if bias is not None and y.shape[0]:
@@ -99,13 +66,12 @@ class GemmOps(CudaCore):
     def logits(self, x: cupy.ndarray, w: cupy.ndarray) -> cupy.ndarray:
         return self._gemm(x, w, out_f32=True)
 
-    def linear_residual(self, x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray,
-                        then: cupy.ndarray | None = None) -> None:
+    def linear_residual(self, x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray) -> None:
         check_rows(residual, "linear_residual residual")
         if residual.shape != (x.shape[0], w.shape[0]):
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
         if self._bf16_gemv_fits(x, w):
-            self._bf16_gemv(x, w, None, residual, accumulate=True, then=then)
+            self._bf16_gemv(x, w, None, residual, accumulate=True)
             return
         self._gemm(x, w, out_f32=False, accumulate=residual)
 
@@ -151,9 +117,9 @@ class GemmOps(CudaCore):
                 and w.data.ptr % 16 == 0)
 
     def _bf16_gemv(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None, y: cupy.ndarray,
-                   accumulate: bool, then: cupy.ndarray | None) -> None:
+                   accumulate: bool) -> None:
         t, k = x.shape
         n = w.shape[0]
         args = (x, _i32(x.strides[0] // 2), w, 0 if bias is None else bias, y, _i32(y.strides[0] // 2),
                 _i32(t), _i32(n), _i32(k), _i32(int(accumulate)))
-        launch_gemv(self, "bf16", t, n, args, then, self.gemv_prefetch_bytes)
+        launch_gemv(self, "bf16", t, n, args)

@@ -10,13 +10,6 @@
 // into the registers: words 0-1 feed the chunk's first MMA and words 2-3 its second (fp8:
 // m16n8k32, 64 k a chunk; bf16: m16n8k16, 32 k a chunk).
 //
-// The next projection's weight (next, next_bytes; null and 0 for none): at a few tokens the card
-// streams weights only inside the GEMVs, and the small kernels between them (the norms, rope, the
-// attention of a short context) leave HBM idle for microseconds. So each block, once it has read
-// its own rows, asks L2 to prefetch its share of the first next_bytes of the weight the next
-// projection reads: those bytes arrive beside the tail of this GEMV and the small kernels after
-// it, and the next GEMV finds them in L2.
-//
 // fp8 scales: channel (block == 0): xs[t] per token, ws[n] per row, applied to the whole sum;
 // block (block == 1): xs[g * xs_ld + t] per 128 columns (group-major) and ws[(n / 128) * ws_ld + g]
 // per 128x128 block, applied to each chunk's product. Every chunk's product starts from zero and
@@ -37,8 +30,6 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
 #endif
-// The largest piece one bulk prefetch asks for (a lane issues one per round).
-#define GEMV_PREFETCH_PIECE (64 << 10)
 
 struct GemvScales {  // fp8 only; all null for bf16
     const float* xs;
@@ -52,8 +43,7 @@ template <int TILES, bool FP8, int UNROLL>
 __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long long x_row_bytes,
                                      const unsigned char* __restrict__ w, long long w_row_bytes,
                                      GemvScales sc, const bf16_t* __restrict__ bias, bf16_t* __restrict__ y,
-                                     int ldy, int tokens, int n, int chunks, int accumulate,
-                                     const unsigned char* __restrict__ next, long long next_bytes) {
+                                     int ldy, int tokens, int n, int chunks, int accumulate) {
     __shared__ float part[GEMV_WARPS][GEMV_ROWS][16];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, l4 = lane % 4;
     const int n0 = blockIdx.x * GEMV_ROWS;
@@ -117,14 +107,6 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
             }
         }
     }
-    if (warp == 0 && next_bytes > 0) {  // this block's share of the next weight, 16-byte aligned
-        const long long share = ((next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~15LL;
-        const long long end = min(share * (blockIdx.x + 1), next_bytes);
-        for (long long p = share * blockIdx.x + (long long)lane * GEMV_PREFETCH_PIECE; p < end;
-             p += 32LL * GEMV_PREFETCH_PIECE) {
-            prefetch_l2(next + p, (unsigned int)min((long long)GEMV_PREFETCH_PIECE, end - p));
-        }
-    }
     // C fragment: e = 0, 1 -> row g, tokens 2 l4 and 2 l4 + 1 of tile j; e = 2, 3 -> row g + 8.
     for (int j = 0; j < TILES; ++j) {
         for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e / 2)][8 * j + 2 * l4 + (e % 2)] = acc[j][e];
@@ -143,15 +125,13 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
 
 // Grid: ceil(n / 16) blocks of 256 threads; *8_k take up to 8 tokens, *16_k up to 16.
 // fp8: xq e4m3 [tokens, k] (row stride k), wq e4m3 [n, k]; k a multiple of 64 (128 with block).
-// next, next_bytes: the weight bytes to prefetch into L2 (a multiple of 16; null and 0 for none).
 #define GEMV_FP8_ENTRY(NAME, TILES)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS) NAME(                  \
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
-        bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate,              \
-        const unsigned char* __restrict__ next, long long next_bytes) {                                    \
+        bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
         gemv<TILES, true, GEMV_UNROLL_FP8>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, \
-                                           y, ldy, tokens, n, k / 64, accumulate, next, next_bytes);       \
+                                           y, ldy, tokens, n, k / 64, accumulate);                         \
     }
 GEMV_FP8_ENTRY(gemv_fp8_8_k, 1)
 GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
@@ -162,11 +142,11 @@ GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS) NAME(                  \
         const bf16_t* __restrict__ x, int ldx, const bf16_t* __restrict__ w,                               \
         const bf16_t* __restrict__ bias, bf16_t* __restrict__ y, int ldy, int tokens, int n, int k,        \
-        int accumulate, const unsigned char* __restrict__ next, long long next_bytes) {                    \
+        int accumulate) {                                                                                  \
         gemv<TILES, false, GEMV_UNROLL_BF16>(reinterpret_cast<const unsigned char*>(x), 2LL * ldx,         \
                                              reinterpret_cast<const unsigned char*>(w), 2LL * k,           \
                                              GemvScales{nullptr, 0, nullptr, 0, 0}, bias, y, ldy, tokens,  \
-                                             n, k / 32, accumulate, next, next_bytes);                     \
+                                             n, k / 32, accumulate);                                       \
     }
 GEMV_BF16_ENTRY(gemv_bf16_8_k, 1)
 GEMV_BF16_ENTRY(gemv_bf16_16_k, 2)

@@ -16,8 +16,6 @@ A scaled GEMM is the float32 product of the dequantized operands, accumulated in
 
 from __future__ import annotations
 
-from typing import Any
-
 import ml_dtypes
 import numpy as np
 
@@ -168,14 +166,12 @@ class NumpyFp8Ops:
         self._took_activation(t, k2 // 2, group)
         return Fp8Activation(*silu_mul_quantize(x, group), group, t)
 
-    def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: np.ndarray | None,
-                   then: Any = None) -> np.ndarray:
+    def linear_fp8(self, x: Fp8Activation, w: Fp8Weight, bias: np.ndarray | None) -> np.ndarray:
         self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         y = scaled_gemm(x.q, x.scale, w.q, w.scale)
         return y if bias is None else y + bias
 
-    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray,
-                            then: Any = None) -> None:
+    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray) -> None:
         if gemm_rows(x.rows, x.group) != x.rows:  # CUDA's padded GEMM lands in a buffer first
             self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         if residual.shape != (x.q.shape[0], w.q.shape[0]):

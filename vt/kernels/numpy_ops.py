@@ -103,12 +103,12 @@ class NumpyBackend(NumpyFp8Ops):
         self._took(x.shape, "act")
         return (x / _rms(x, eps)) * weight
 
-    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, then: Any = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         self._took((x.shape[0], w.shape[0]), "act")
         y = x @ w.T
         return y if bias is None else y + bias
 
-    def linear_residual(self, x: np.ndarray, w: np.ndarray, residual: np.ndarray, then: Any = None) -> None:
+    def linear_residual(self, x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> None:
         if residual.shape != (x.shape[0], w.shape[0]):
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
         residual += x @ w.T

@@ -96,7 +96,7 @@ class RankGroup:
         self.ranks[0].copy_d2h(dst, pick(src, 0))
 
     # ---- the two ops that span the split ---------------------------------------------------
-    def linear_residual(self, x: Ranked, w: Ranked, residual: Ranked, then: Any = None) -> None:
+    def linear_residual(self, x: Ranked, w: Ranked, residual: Ranked) -> None:
         """residual += sum over ranks of x_r @ w_r.T (x, w split along K: o_proj and down).
         Rank 0 adds its product into its residual; every other rank writes its own into its copy
         of the residual, zeroed first (the layer read it already), and the all-reduce leaves the
@@ -105,7 +105,7 @@ class RankGroup:
             res = pick(residual, r)
             if r:
                 res.fill(0)
-            rank.linear_residual(pick(x, r), pick(w, r), res, then=pick(then, r))
+            rank.linear_residual(pick(x, r), pick(w, r), res)
         self.comm.all_reduce(residual)
 
     def logits(self, x: Ranked, w: Ranked) -> Ranked:

@@ -203,16 +203,13 @@ class Transformer:
         r = ops.embed(batch.input_ids, self.embed)
         start = _arena_mark(ops)
         group = None if self.fp8 is None else self.fp8.activation_group
-        for i, (layer, (k_cache, v_cache), kv_scales) in enumerate(zip(self.layers, kv, self.kv_scales,
-                                                                       strict=True)):
+        for layer, (k_cache, v_cache), kv_scales in zip(self.layers, kv, self.kv_scales, strict=True):
             if start is not None:
                 ops.arena_reset(start)
-            # the weight read after this layer's last projection (a prefetch hint, see Backend.linear)
-            after = self.layers[i + 1].qkv if i + 1 < len(self.layers) else self.lm_head
             if self.fp8 is not None:
-                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention, group, after)
+                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention, group)
                 continue
-            qkv = ops.linear(r, layer.qkv, None, then=layer.o_proj)
+            qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
             k = qkv[:, q_end:k_end].reshape(t, hk, d)
             v = qkv[:, k_end:].reshape(t, hk, d)
@@ -222,23 +219,21 @@ class Transformer:
             o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                           self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
                           follows_kv_write=True, kv_scales=kv_scales)
-            ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r, then=layer.gate_up)
-            gate_up = ops.linear(r, layer.gate_up, None, then=layer.down)
-            ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r, then=after)
+            ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
+            gate_up = ops.linear(r, layer.gate_up, None)
+            ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
         return r
 
     def _fp8_layer_forward(self, layer: _Layer, r: Array, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                            kv_scales: tuple[float, float], attention: Callable[..., Array],
-                           group: int | None, after: Any) -> None:
-        """One layer on fp8 weights, the residual stream r updated in place; `after` is the weight
-        read after its last projection."""
+                           group: int | None) -> None:
+        """One layer on fp8 weights, the residual stream r updated in place."""
         cfg, ops = self.cfg, self.ops
         t = batch.input_ids.shape[0]
         hq, hk, d = self.split.heads, self.split.kv_heads, cfg.head_dim
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         eps = cfg.rms_norm_eps
-        qkv = ops.linear_fp8(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv, None,
-                             then=layer.o_proj)
+        qkv = ops.linear_fp8(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv, None)
         q = qkv[:, :q_end].reshape(t, hq, d)
         k = qkv[:, q_end:k_end].reshape(t, hk, d)
         v = qkv[:, k_end:].reshape(t, hk, d)
@@ -248,11 +243,9 @@ class Transformer:
         o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                       self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
                       follows_kv_write=True, kv_scales=kv_scales)
-        ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r,
-                                then=layer.gate_up)
-        gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None,
-                                 then=layer.down)
-        ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r, then=after)
+        ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r)
+        gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None)
+        ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r)
 
     def head(self, r: Array, logits_indices: Array) -> Any:
         """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
