@@ -13,8 +13,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <math.h>
 #include <ucontext.h>
 #include <vector>
@@ -96,6 +98,7 @@ struct Fiber {
     unsigned wait_val = 0;
     std::vector<Copy> open;             // copies since the last commit
     std::deque<std::vector<Copy>> groups;  // committed, not yet waited for
+    unsigned bar_phase[64] = {};  // per named barrier: 1 + the phase this thread last counted in
 };
 
 // A warp's exchange area: each lane writes its inputs, all meet, each reads what it needs.
@@ -123,6 +126,7 @@ struct Block {
     const unsigned* wg_areg[kMaxThreads];  // each thread's A registers, for a register-A wgmma
     int arrived = 0, live = 0;
     unsigned gen = 0;
+    bool twice = false;  // a thread counted twice in one phase of a named barrier (launch returns 3)
     ucontext_t sched;
     int cur = 0;
     unsigned long long serial = 0;  // blocks run so far: per-block state kept elsewhere resets on change
@@ -174,11 +178,20 @@ inline void deadlock() {
     std::abort();
 }
 
+// No thread can run. After a thread counted twice in a barrier phase that is the expected end
+// (the phase completed without its other side, which now waits forever): the block stops and
+// launch() reports the double count; otherwise a deadlock.
+inline void stuck(Fiber& f) {
+    Block* b = block();
+    if (!b->twice) deadlock();
+    swapcontext(&f.ctx, &b->sched);
+}
+
 // Switch straight to the next thread to run, not through the scheduler.
 inline void yield() {
     Block* b = block();
     const int prev = b->cur, next = next_fiber(b, prev, timing().order);
-    if (next < 0) deadlock();
+    if (next < 0) stuck(b->fibers[prev]);
     if (next == prev) return;
     b->cur = next;
     swapcontext(&b->fibers[prev].ctx, &b->fibers[next].ctx);
@@ -203,11 +216,33 @@ inline void warp_barrier() {
     wait_for(&w.gen, gen);
 }
 
+// This thread counts toward the current phase of group `key`. On the device a thread that arrives
+// twice before the phase completes counts twice toward it (bar.arrive, then bar.sync or another
+// arrive, with the other side behind): a protocol error, recorded for launch() to report.
+inline void count_arrival(Block* b, int key, unsigned gen) {
+    unsigned& seen = me().bar_phase[key];
+    if (seen == gen + 1) b->twice = true;
+    seen = gen + 1;
+}
+
+// A thread arrives at group `key` of `count` threads and goes on (bar.arrive): the phase
+// completes, releasing the threads that sync there, once `count` arrivals and syncs are in.
+inline void group_arrive(int key, int count) {
+    Block* b = block();
+    Group& g = b->groups[key];
+    count_arrival(b, key, g.gen);
+    if (++g.arrived == count) {
+        g.arrived = 0;
+        ++g.gen;
+    }
+}
+
 // Threads meet at group `key` (count of them); the last to arrive runs `last` before releasing.
 inline void group_barrier(int key, int count, const std::function<void()>& last) {
     Block* b = block();
     Group& g = b->groups[key];
     const unsigned gen = g.gen;
+    count_arrival(b, key, gen);
     if (++g.arrived == count) {
         if (last) last();
         g.arrived = 0;
@@ -252,14 +287,15 @@ inline void fiber_main() {
         return;
     }
     const int next = next_fiber(b, b->cur, timing().order);
-    if (next < 0) deadlock();
+    if (next < 0) stuck(f);
     b->cur = next;
     swapcontext(&f.ctx, &b->fibers[next].ctx);
 }
 
 // Run `kernel` (a call of the kernel with its arguments) over the grid: 0, or 1 when the launch
 // asks for more than the simulator has, or 2 when a block wrote past the smem_bytes it was
-// launched with (the bytes after them hold a pattern that must survive every block).
+// launched with (the bytes after them hold a pattern that must survive every block), or 3 when a
+// thread counted twice in one phase of a named barrier (count_arrival).
 inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem_bytes,
                   std::function<void()> kernel) {
     if (threads == 0 || threads > (unsigned)kMaxThreads || threads % 32 || smem_bytes > kSmem) return 1;
@@ -284,6 +320,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                 b.arrived = 0;
                 for (unsigned w = 0; w < threads / 32; ++w) { b.warps[w].live = 32; b.warps[w].arrived = 0; }
                 for (Group& g : b.groups) g.arrived = 0;
+                b.twice = false;
                 for (unsigned t = 0; t < threads; ++t) {
                     Fiber& f = b.fibers[t];
                     f.tid = {t, 0, 0};
@@ -294,6 +331,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                     f.coll = 0;
                     f.open.clear();
                     f.groups.clear();
+                    std::fill(std::begin(f.bar_phase), std::end(f.bar_phase), 0u);
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = b.stacks.data() + (size_t)t * kStack;
                     f.ctx.uc_stack.ss_size = kStack;
@@ -302,6 +340,10 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                 }
                 b.cur = 0;
                 swapcontext(&b.sched, &b.fibers[0].ctx);  // back when every thread has exited
+                if (b.twice) {
+                    block() = nullptr;
+                    return 3;
+                }
                 for (size_t i = smem_bytes; i < guard_end; ++i)
                     if (g_smem[i] != kGuard) {
                         block() = nullptr;

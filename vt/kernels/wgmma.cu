@@ -56,6 +56,12 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void bar_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// The same barrier's arrival without the wait (a producer's "ready" or a consumer's "free"): the
+// phase completes when `count` threads have arrived or synced. A thread must not arrive again at
+// `id` before that phase completes.
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // A 32-bit word at a shared-window address.
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
