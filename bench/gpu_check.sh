@@ -218,21 +218,22 @@ for s in $steps; do
           flag=$([ "$arm" = on ] && echo "--prefill-pacing")
           timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-pacing-$arm" --rows targets \
             --targets "${PACE_ROWS:-8000/64,1024/128}" --out "/tmp/pace_$arm" \
-            --server-args="--max-num-seqs 256 --max-model-len 16384 $flag --step-trace $f" 2>&1 \
+            --server-args="--max-num-seqs 256 --max-model-len 16384 $flag ${SERVE_EXTRA:-} --step-trace $f" 2>&1 \
             | grep "^| target" | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
           python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/$arm r$rep /" | tee -a "$OUT/pacing.log"
         done
       done ;;
     overlap)  # a mixed step against its prompt and decode rows as two steps side by side (SM targets)
+      # OVERLAP_ARGS: e.g. "--quantization fp8" (the fp8 GEMMs take the slot's SM target too)
       timeout 400 python3 -m bench.probes.overlap_probe --preset 8b --decodes "${DECODES:-227}" --context "${CONTEXT:-1088}" \
-        --prompt "${PROMPT:-1820}" --sms "${SMS:-0,16,24,32,48}" 2>&1 | tail -30 | tee "$OUT/overlap.log" ;;
+        --prompt "${PROMPT:-1820}" --sms "${SMS:-0,16,24,32,48}" ${OVERLAP_ARGS:-} 2>&1 | tail -30 | tee -a "$OUT/overlap.log" ;;
     split8)  # the 8B target rows with each mixed step split in two beside each other (VT_SPLIT_DECODE_SMS)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       for k in ${SPLIT_SMS:-0 32}; do
         f="/tmp/split_$k.jsonl"
         VT_SPLIT_DECODE_SMS=$k timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-split$k" \
           --rows targets --targets "${SPLIT_ROWS:-1024/128,8000/64}" --out "/tmp/split_$k" \
-          --server-args="--max-num-seqs 256 --max-model-len 16384 --step-trace $f" 2>&1 \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 ${SERVE_EXTRA:-} --step-trace $f" 2>&1 \
           | grep "^| target" | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
         python3 -m bench.serving.step_trace_summary "$f" --budget 2048 | sed "s/^/split=$k /" | tee -a "$OUT/split8.log"
       done ;;

@@ -75,10 +75,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the same steps on the numpy backend (checks the script, times nothing real)")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
 
     runner, _ = build_runner(args.preset, args.decodes, args.context, enforce_eager=False,
-                             prefill=args.prompt, device=args.device)
+                             prefill=args.prompt, device=args.device, quantization=args.quantization,
+                             kv_cache_dtype=args.kv_cache_dtype)
     nsm = runner.ops.num_sms() or 132  # numpy: any number, nothing is held
     sync = lambda: None  # noqa: E731
     if args.device == "cuda":

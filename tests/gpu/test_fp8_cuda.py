@@ -108,6 +108,24 @@ def test_fp8_gemm_matches_the_numpy_scaled_gemm(cb, rows, block, shape, monkeypa
     assert rel_err(cb.to_host(acc), residual + want) < GEMM_TOL
 
 
+def test_the_fp8_gemm_held_to_part_of_the_sms_gives_the_same_product(cb):
+    """A slot's SM target (split steps) reaches cuBLASLt's fp8 GEMMs too: a plan of its own, whose
+    product matches the unheld one's."""
+    rng = np.random.default_rng(5)
+    x = bf16(rng.standard_normal((256, 1024)))
+    w = rng.standard_normal((768, 1024)).astype(np.float32) * 0.02
+    weight = cb.upload_fp8(*f8.quantize_weight_channel(w))
+    xa = cb.quantize_fp8(cb.from_host(x, "act"), None)
+    with cb.slot(0):
+        free = cb.to_host(cb.linear_fp8(xa, weight, None))
+        cb.limit_gemm_sms(0, 16)
+        try:
+            held = cb.to_host(cb.linear_fp8(xa, weight, None))
+        finally:
+            cb.limit_gemm_sms(0, 0)
+    assert rel_err(held, free) < GEMM_TOL
+
+
 def test_fp8_gemm_replays_in_a_graph(cb):
     rng = np.random.default_rng(3)
     x = bf16(rng.standard_normal((64, 1024)))

@@ -118,6 +118,12 @@ class CublasGemm:
     def workspace_bytes(self) -> int:
         return int(self._workspace.nbytes)
 
+    @property
+    def sm_count_target(self) -> int:
+        """The SMs the GEMMs launched now are sized to (0: the whole device); the slot's fp8
+        cuBLASLt calls take the same target."""
+        return self._sm_target
+
     def set_sm_count_target(self, sms: int) -> None:
         """Have the GEMMs launched from now on use about `sms` SMs (0: the whole device), so
         that work on another stream can run beside them (cublasSetSmCountTarget)."""

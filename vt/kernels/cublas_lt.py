@@ -28,6 +28,7 @@ from vt.kernels.cublas_capture import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32
 CUDA_R_8F_E4M3 = 28
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
+_DESC_SM_COUNT_TARGET = 15
 _DESC_FAST_ACCUM = 25
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _PREF_MAX_WORKSPACE_BYTES = 1
@@ -102,10 +103,11 @@ class CublasLtFp8:
                     f"cublasLtMatmulDescSetAttribute({attr})")
 
     def _plan(self, rows: int, n: int, k: int, block: bool, workspace_bytes: int, w_scale_ptr: int,
-              x_scale_ptr: int) -> _Plan:
+              x_scale_ptr: int, sm_target: int) -> _Plan:
         """The shape's plan, made on its first call (the heuristic wants the scale pointers set:
-        without them it refuses the scaled modes)."""
-        key = (rows, n, k, block, workspace_bytes)
+        without them it refuses the scaled modes). sm_target > 0 asks for a kernel sized to that
+        many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), so work on another stream keeps the rest."""
+        key = (rows, n, k, block, workspace_bytes, sm_target)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -121,6 +123,8 @@ class CublasLtFp8:
             self._set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
         self._set(desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
         self._set(desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
+        if sm_target > 0:
+            self._set(desc, _DESC_SM_COUNT_TARGET, ctypes.c_int32(sm_target))
         layouts = []
         for dtype, r, c, ld in ((CUDA_R_8F_E4M3, k, n, k), (CUDA_R_8F_E4M3, k, rows, k),
                                 (CUDA_R_16BF, n, rows, n), (CUDA_R_16BF, n, rows, n)):
@@ -147,10 +151,11 @@ class CublasLtFp8:
 
     def linear(self, stream_ptr: int, x_ptr: int, x_scale_ptr: int, w_ptr: int, w_scale_ptr: int, y_ptr: int,
                rows: int, n: int, k: int, block: bool, accumulate: bool, workspace_ptr: int,
-               workspace_bytes: int) -> None:
+               workspace_bytes: int, sm_target: int = 0) -> None:
         """Row-major y[rows, n] = x @ w^T (+ y with accumulate), x e4m3[rows, k] with its scales,
-        w e4m3[n, k] with its scales (the module docstring gives both layouts), y bf16."""
-        plan = self._plan(rows, n, k, block, workspace_bytes, w_scale_ptr, x_scale_ptr)
+        w e4m3[n, k] with its scales (the module docstring gives both layouts), y bf16; on about
+        sm_target SMs when it is positive (the slot's cuBLAS target, for split steps)."""
+        plan = self._plan(rows, n, k, block, workspace_bytes, w_scale_ptr, x_scale_ptr, sm_target)
         self._set(plan.desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
         self._set(plan.desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
         a, b, c, d = plan.layouts

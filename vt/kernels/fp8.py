@@ -152,7 +152,7 @@ class Fp8Ops(CudaCore):
         gemm = self._current_gemm()
         self._lt().linear(cupy.cuda.get_current_stream().ptr, x.q.data.ptr, x.scale.data.ptr, w.q.data.ptr,
                           w.scale.data.ptr, y.data.ptr, t, n, k, w.block, accumulate, gemm.workspace_ptr,
-                          gemm.workspace_bytes)
+                          gemm.workspace_bytes, sm_target=gemm.sm_count_target)
 
     def _gemv_fits(self, x: Fp8Activation, k: int) -> bool:
         """gemv.cu takes up to gemv_max_tokens (<= 16) tokens over whole 64-column chunks (128 with
