@@ -77,6 +77,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     prefill_pacing: bool = False          # spread the last prompt in line over the decodes' steps
     enable_prefix_caching: bool = True
+    # decodes sharing a long cached prefix attend to it once for all of them (cascade_plan.py)
+    disable_cascade_attn: bool = False
     async_scheduling: bool = True
     enforce_eager: bool = False
     max_waiting: int = 1024               # bounded waiting queue; beyond it requests get 503

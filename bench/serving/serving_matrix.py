@@ -81,17 +81,19 @@ def plan_rows(which: str, shapes: tuple = SHAPES, concurrency: tuple = CONCURREN
     return rows
 
 
-def config_for(row: Row, url: str, model_dir: str) -> BenchConfig:
+def config_for(row: Row, url: str, model_dir: str, prefix_len: int = 0) -> BenchConfig:
+    """prefix_len: every prompt starts with the same prefix of this many tokens (`vt bench
+    --random-prefix-len`), before its row's input_len tokens."""
     return BenchConfig(
         base_url=url, model_dir=model_dir, model_name=None, api_key=None, serve_flags=(), server_timeout=600,
         num_prompts=row.prompts, input_len=row.input_len, output_len=row.output_len,
         range_ratio=row.range_ratio, seed=0, ignore_eos=True, temperature=0.0, priority=0, priority_mix=(),
         request_rate=float("inf"), max_concurrency=row.concurrency, goodput_slo_ms=None, compare_async=False,
-        repeats=1, json_path=None, plot_path=None, progress=False)
+        repeats=1, json_path=None, plot_path=None, progress=False, prefix_len=prefix_len)
 
 
 async def run_rows(url: str, model_dir: str, pool: list[int], rows: list[Row], row_timeout: float,
-                   budget_s: float) -> list[dict]:
+                   budget_s: float, prefix_len: int = 0) -> list[dict]:
     results = []
     start = time.monotonic()
     for row in rows:
@@ -100,7 +102,7 @@ async def run_rows(url: str, model_dir: str, pool: list[int], rows: list[Row], r
             entry["status"] = "skipped (time budget)"
         else:
             try:
-                cfg = config_for(row, url, model_dir)
+                cfg = config_for(row, url, model_dir, prefix_len)
                 res = await asyncio.wait_for(bench_endpoint(url, cfg, row.name, pool), row_timeout)
                 entry |= figures(res)
             except asyncio.TimeoutError:
@@ -180,6 +182,8 @@ def main() -> int:
     ap.add_argument("--row-timeout", type=float, default=150.0, help="seconds a row may take")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which rows are skipped")
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="every prompt of the rows starts with one shared prefix of this many tokens")
     ap.add_argument("--long", type=int, default=0,
                     help="also serve one prompt of this many tokens alone and beside 64 decoding requests")
     args = ap.parse_args()
@@ -194,7 +198,8 @@ def main() -> int:
         print(f"server up in {started:.1f} s: {shlex.join(srv.cmd)}", flush=True)
         print(HEADER, flush=True)
         pool = pool_from_tokenizer(args.model)  # prompt token ids, read once for every row
-        results = asyncio.run(run_rows(srv.url, args.model, pool, rows, args.row_timeout, args.budget))
+        results = asyncio.run(run_rows(srv.url, args.model, pool, rows, args.row_timeout, args.budget,
+                                       args.prefix_len))
         if args.long:
             results += asyncio.run(long_context(srv.url, args.model, pool, args.long, args.row_timeout))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,72 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
         reinterpret_cast<unsigned int*>(out + (size_t)row * d)[p] = pack2(a * inv, c * inv);
     }
 }
+
+// ---- cascade attention (cascade_plan.py): decodes sharing their first prefix_len keys ---------
+// The prefix part runs as one prompt-kernel "sequence" of one token whose GQA group is every
+// decode's (rows (kv head, decode, head of the group), at position prefix_len - 1, so every shared
+// key is admitted), the suffix part as the decodes' own launch over their later blocks; both write
+// split partials that attention_cascade_combine_k merges.
+
+// One block per decode: its query rows into q_perm [hk][num_seqs][group][d] (16-byte units), its
+// suffix length into ints[b]; block 0 also writes the prefix launch's query_start_loc {0, 1}
+// (ints[num_seqs..]) and seq_lens {prefix_len} (ints[num_seqs + 2]).
+extern "C" __global__ void attention_cascade_prep_k(const bf16_t* __restrict__ q, int q_stride,
+                                                    const int* __restrict__ seq_lens, int num_seqs, int hq, int hk,
+                                                    int d, int prefix_len, bf16_t* __restrict__ q_perm,
+                                                    int* __restrict__ ints) {
+    const int b = blockIdx.x, group = hq / hk, units = d / 8;
+    const uint4* src = reinterpret_cast<const uint4*>(q + (size_t)b * q_stride);
+    uint4* dst = reinterpret_cast<uint4*>(q_perm);
+    for (int e = threadIdx.x; e < hq * units; e += blockDim.x) {
+        const int h = e / units, u = e % units;
+        const size_t row = ((size_t)(h / group) * num_seqs + b) * group + h % group;
+        dst[row * units + u] = src[e];
+    }
+    if (threadIdx.x == 0) {
+        ints[b] = seq_lens[b] - prefix_len;
+        if (b == 0) {
+            ints[num_seqs] = 0;
+            ints[num_seqs + 1] = 1;
+            ints[num_seqs + 2] = prefix_len;
+        }
+    }
+}
+
+// Merge a cascade's partials into out [num_seqs][hq][d]: splits 0..prefix_splits-1 are the prefix
+// launch's (rows in q_perm's order), the rest the suffix launch's (rows b * hq + h). One block of
+// 64 threads per row, as attention_combine_k.
+extern "C" __global__ void attention_cascade_combine_k(const float* __restrict__ part_o,
+                                                       const float* __restrict__ part_ml, int prefix_splits,
+                                                       int suffix_splits, int num_seqs, int hq, int hk, int d,
+                                                       bf16_t* __restrict__ out) {
+    const int row = blockIdx.x;  // b * hq + h
+    const int b = row / hq, h = row % hq, group = hq / hk;
+    const size_t rows = (size_t)num_seqs * hq;
+    const size_t prow = ((size_t)(h / group) * num_seqs + b) * group + h % group;
+    const int splits = prefix_splits + suffix_splits;
+    float mmax = -VT_INF;
+    for (int s = 0; s < splits; ++s) mmax = fmaxf(mmax, part_ml[(s * rows + (s < prefix_splits ? prow : row)) * 2]);
+    float denom = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const size_t pr = s * rows + (s < prefix_splits ? prow : row);
+        const float ms = part_ml[pr * 2];
+        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    const int half = d / 2;
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float a = 0.f, c = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const size_t pr = s * rows + (s < prefix_splits ? prow : row);
+            const float ms = part_ml[pr * 2];
+            if (ms > -VT_INF) {
+                const float wgt = exp2f(ms - mmax);
+                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
+                a += wgt * v.x;
+                c += wgt * v.y;
+            }
+        }
+        reinterpret_cast<unsigned int*>(out + (size_t)row * d)[p] = pack2(a * inv, c * inv);
+    }
+}

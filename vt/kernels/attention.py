@@ -23,6 +23,7 @@ from vt.kernels.attention_plan import (
     key_splits,
     max_splits_within,
 )
+from vt.kernels.cascade_plan import cascade_scratch, cascade_splits_within
 from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, token_stride
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
@@ -36,7 +37,8 @@ _TC_KERNELS = (
 _SCALAR_KERNELS = tuple(f"attention_r{r}{s}" for r in (1, 2, 4) for s in ("", KV8_SUFFIX))
 # The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
 KERNELS = {
-    "attention.cu": (*_SCALAR_KERNELS, "attention_combine_k"),
+    "attention.cu": (*_SCALAR_KERNELS, "attention_combine_k", "attention_cascade_prep_k",
+                     "attention_cascade_combine_k"),
     "attention_tc.cu": _TC_KERNELS,
 }
 _LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS)
@@ -140,6 +142,7 @@ class AttentionOps(CudaCore):
         decode_seqs: int = 0,
         follows_kv_write: bool = False,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        cascade_blocks: int = 0,
     ) -> cupy.ndarray:
         """Grid sized from max_query_len and max_seq_len: on a graph replay they must still bound
         the real values (capture with the largest ones the graph will serve). out, if given, is
@@ -147,7 +150,10 @@ class AttentionOps(CudaCore):
         right before on this stream wrote only q and this step's K/V (qk_norm_rope_write_kv):
         the tensor-core kernels then start while it runs, on the block tables and older keys.
         An fp8 cache (uint8 codes) runs the _kv8 kernels: k_scale folded into the score scale,
-        v_scale a kernel scalar multiplying the output."""
+        v_scale a kernel scalar multiplying the output. cascade_blocks > 0: the decodes (the
+        first decode_seqs sequences, or all of a one-token-a-sequence launch) all begin with that
+        many of the same blocks, each with keys past them (cascade_plan.py): the shared keys are
+        read once for all of them."""
         qst = token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -173,9 +179,14 @@ class AttentionOps(CudaCore):
             d_ = decode_seqs
             self.attention(q[:d_], k_cache, v_cache, query_start_loc[: d_ + 1], seq_lens[:d_],
                            block_tables[:d_], scale, 1, max_seq_len, out[:d_],
-                           follows_kv_write=follows_kv_write, kv_scales=kv_scales)
+                           follows_kv_write=follows_kv_write, kv_scales=kv_scales,
+                           cascade_blocks=cascade_blocks)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
                                   scale, max_query_len, max_seq_len, out, kv_scales=kv_scales)
+        if cascade_blocks > 0 and max_query_len == 1 and self._cascade(
+                q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len, out,
+                kv_scales, cascade_blocks):
+            return out
         plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
                                 kv8=kv8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
@@ -198,6 +209,67 @@ class AttentionOps(CudaCore):
                 (part_o, part_ml, query_start_loc, _i32(b), out, _i32(t), _i32(hq), _i32(d), _i32(splits)),
             )
         return out
+
+    def _cascade(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                 query_start_loc: cupy.ndarray, seq_lens: cupy.ndarray, block_tables: cupy.ndarray,
+                 scale: float, max_seq_len: int, out: cupy.ndarray,
+                 kv_scales: tuple[float, float], cascade_blocks: int) -> bool:
+        """Decodes (one query row each) whose first cascade_blocks blocks are the same: the shared
+        keys attended once by every decode's queries (a prompt-kernel launch), each decode's later
+        keys by the decode kernel, both as split partials, merged into out. False (nothing
+        launched) where the slot's partials scratch cannot hold two splits of each part."""
+        b, hq, d = q.shape
+        _, bs, hk, _ = k_cache.shape
+        group, kv8 = hq // hk, is_fp8_cache(k_cache)
+        if cascade_blocks >= block_tables.shape[1]:
+            raise ValueError(f"attention: cascade_blocks {cascade_blocks} leaves no block of the "
+                             f"{block_tables.shape[1]} in the table")
+        part_buf = None if (s := self._slot_ctx()) is None else s.partials
+        cap = (cascade_splits_within(part_buf.nbytes, b, hq, d) if part_buf is not None
+               else MAX_KEY_SPLITS)
+        if cap < 4:
+            return False
+        prefix_len = cascade_blocks * bs
+        pre = attention_kernel(b * group, 1, d, k_cache.size, prefill=self.prefill_tiling, kv8=kv8)
+        suf = attention_kernel(group, 1, d, k_cache.size, prefill=self.prefill_tiling, kv8=kv8)
+        sp = max(2, key_splits(pre.row_tiles * hk, self._resident_blocks(pre.name, pre.smem, pre.threads),
+                               prefix_len, cap - 2))
+        ss = max(2, key_splits(suf.row_tiles * hk * b, self._resident_blocks(suf.name, suf.smem, suf.threads),
+                               max(1, max_seq_len - prefix_len), cap - sp))
+        lay = cascade_scratch(sp, ss, b, hq, d)
+        if part_buf is None:  # outside a step (tests, setup): from the pool
+            part_buf = cupy.empty((lay.end,), dtype=np.uint8)
+        base = part_buf.data
+        rows = b * hq
+        q_perm = cupy.ndarray((1, rows, d), np.uint16, memptr=base + lay.q_perm)
+        ints = cupy.ndarray((b + 3,), np.int32, memptr=base + lay.ints)
+        part_o = cupy.ndarray((sp + ss, rows, d), np.float32, memptr=base + lay.part_o)
+        part_ml = cupy.ndarray((sp + ss, rows, 2), np.float32, memptr=base + lay.part_ml)
+        stride = block_tables.shape[1]
+        # The suffix launch reads each row's table from its column cascade_blocks on, at the
+        # table's own row stride.
+        suffix_tables = cupy.ndarray((b * stride - cascade_blocks,), np.int32,
+                                     memptr=block_tables.data + cascade_blocks * 4)
+        k_scale, v_scale = kv_scales if kv8 else (1.0, 1.0)
+        scale_log2 = _f32(scale * _LOG2E * k_scale)
+        self._launch("attention_cascade_prep_k", (b,), (128,),
+                     (q, _i32(token_stride(q, "attention q")), seq_lens, _i32(b), _i32(hq), _i32(hk), _i32(d),
+                      _i32(prefix_len), q_perm, ints))
+        tail = (_i32(bs), scale_log2)
+        for plan, args, splits, seqs in (
+            (pre, (q_perm, _i32(rows * d), k_cache, v_cache, ints[b:], ints[b + 2:], block_tables,
+                   _i32(stride), out, part_o[:sp], part_ml[:sp], _i32(1), _i32(rows), _i32(hk)), sp, 1),
+            (suf, (q, _i32(token_stride(q, "attention q")), k_cache, v_cache, query_start_loc, ints,
+                   suffix_tables, _i32(stride), out, part_o[sp:], part_ml[sp:], _i32(b), _i32(hq), _i32(hk)),
+             ss, b),
+        ):
+            full = args + tail + (_i32(splits), _f32(v_scale)) if plan.tensor_cores else \
+                args + (_i32(d),) + tail + (_i32(splits), _f32(v_scale))
+            self._launch(plan.name, (plan.row_tiles, hk, seqs * splits), (plan.threads,), full,
+                         shared_mem=plan.smem)
+        self._launch("attention_cascade_combine_k", (rows,), (64,),
+                     (part_o, part_ml, _i32(sp), _i32(ss), _i32(b), _i32(hq), _i32(hk), _i32(d), out))
+        return True
 
     def _key_split_partials(self, kernel: str, smem: int, threads: int, blocks: int, max_seq_len: int,
                             t: int, hq: int, d: int) -> tuple[int, Any, Any]:

@@ -136,7 +136,8 @@ class Backend(Protocol):
     def attention(self, q: Array, k_cache: Array, v_cache: Array, query_start_loc: Array,
                   seq_lens: Array, block_tables: Array, scale: float, max_query_len: int,
                   max_seq_len: int, out: Array | None = None, decode_seqs: int = 0,
-                  follows_kv_write: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> Array:
+                  follows_kv_write: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0),
+                  cascade_blocks: int = 0) -> Array:
         """Causal attention of a ragged batch over the paged cache -> act[T, Hq, D] (into out
         when given: rows of no sequence are left as they were). decode_seqs: the first
         decode_seqs sequences have one query row each (a hint: CUDA runs them on its decode
@@ -150,7 +151,12 @@ class Backend(Protocol):
         GQA: query head h reads kv head h // (Hq // Hk). Softmax in fp32.
         An fp8 cache is read as code * scale, kv_scales = (k_scale, v_scale) as write_kv took them
         (CUDA folds k_scale into the score scale and v_scale into the output, so the codes
-        convert to bf16 exactly)."""
+        convert to bf16 exactly).
+        cascade_blocks > 0: the decodes (the first decode_seqs sequences, or every sequence when
+        max_query_len is 1) all begin with the same cascade_blocks blocks, and each has keys past
+        them (cascade_plan.common_prefix_blocks): their attention over those shared keys runs once
+        for all of them and merges with each one's own (cascade attention; the same result up to
+        the order of fp32 sums)."""
 
     def silu_mul(self, x: Array, rms_of: Array | None = None, eps: float = 0.0) -> Array:
         """x act[T, 2I] -> act[T, I] = silu(x[:, :I]) * x[:, I:]. With rms_of act[T, H], both

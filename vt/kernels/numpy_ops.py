@@ -178,7 +178,7 @@ class NumpyBackend(NumpyFp8Ops):
                   scale: float, max_query_len: int, max_seq_len: int,
                   out: np.ndarray | None = None, decode_seqs: int = 0,
                   follows_kv_write: bool = False,
-                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
+                  kv_scales: tuple[float, float] = (1.0, 1.0), cascade_blocks: int = 0) -> np.ndarray:
         t, hq, d = q.shape
         fp8 = k_cache.dtype == E4M3
         if decode_seqs and (np.diff(query_start_loc[: decode_seqs + 1]) != 1).any():
@@ -190,7 +190,13 @@ class NumpyBackend(NumpyFp8Ops):
             out = np.zeros((t, hq, d), dtype=np.float32)
         elif out.shape != (t, hq, d):
             raise ValueError(f"attention: out must be [{t}, {hq}, {d}], got {list(out.shape)}")
-        for b in range(len(seq_lens)):
+        first = 0
+        if cascade_blocks > 0:
+            first = len(seq_lens) if max_query_len == 1 else decode_seqs
+            if first:
+                cascade_attention(q[:first], k_cache, v_cache, seq_lens[:first], block_tables[:first], scale,
+                                  cascade_blocks, kv_scales if fp8 else (1.0, 1.0), out[:first])
+        for b in range(first, len(seq_lens)):
             start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
             length, ctx = end - start, int(seq_lens[b])
             if length == 0:
@@ -356,3 +362,59 @@ class NumpyBackend(NumpyFp8Ops):
     def capture_parts(self, i: int, parts: Sequence[Callable[[], Any]]) -> list[_Replay]:
         self._check_slot(i)
         return [_Replay(part) for part in parts]
+
+
+def _kv_rows(cache: np.ndarray, blocks: np.ndarray, scale: float) -> np.ndarray:
+    """The cached rows of `blocks` in order, f32[len * block_size, Hk, D] (an fp8 cache's codes
+    times its scale)."""
+    rows = cache[blocks].reshape(-1, *cache.shape[2:])
+    return rows.astype(np.float32) * np.float32(scale) if cache.dtype == E4M3 else rows.astype(np.float32)
+
+
+def attention_partial(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, scale_log2: float
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The split-key partial of rows q f32[R, Hk, G, D] over keys and vals f32[S, Hk, D], every
+    key seen by every row: (o, m, l), o the unnormalised sum of exp2(s - m) v [R, Hk, G, D], m the
+    rows' largest score and l their exp2 sums [R, Hk, G], scores s in the log2 domain, as the
+    CUDA kernels write partials."""
+    s = np.einsum("rkgd,skd->rkgs", q.astype(np.float32), keys) * np.float32(scale_log2)
+    m = s.max(axis=-1)
+    e = np.exp2(s - m[..., None])
+    return np.einsum("rkgs,skd->rkgd", e, vals), m, e.sum(axis=-1)
+
+
+def merge_partials(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Normalised rows from partials (o, m, l) of disjoint key sets, weighed by exp2(m - max m)."""
+    top = np.max([m for _, m, _ in parts], axis=0)
+    o = sum(np.exp2(m - top)[..., None] * part for part, m, _ in parts)
+    den = sum(np.exp2(m - top) * sums for _, m, sums in parts)
+    return o / den[..., None]
+
+
+def cascade_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, seq_lens: np.ndarray,
+                      block_tables: np.ndarray, scale: float, cascade_blocks: int,
+                      kv_scales: tuple[float, float], out: np.ndarray) -> None:
+    """Decode rows q [B, Hq, D] whose first cascade_blocks blocks are the same (row 0's): every
+    row against those shared keys as one partial, each row's own later keys as another, merged
+    into out [B, Hq, D]. The twin of CUDA's cascade (prefix launch, suffix launch, merge)."""
+    b, hq, d = q.shape
+    _, bs, hk, _ = k_cache.shape
+    prefix_len = cascade_blocks * bs
+    if (np.asarray(seq_lens[:b]) <= prefix_len).any():
+        raise ValueError(f"attention: cascade over {prefix_len} keys needs every decode longer than that")
+    if (block_tables[:, :cascade_blocks] != block_tables[0, :cascade_blocks]).any():
+        raise ValueError(f"attention: the decodes do not share their first {cascade_blocks} blocks")
+    scale_log2 = float(scale) * 1.4426950408889634
+    k_scale, v_scale = kv_scales
+    qr = q.reshape(b, hk, hq // hk, d)
+    shared = block_tables[0, :cascade_blocks]
+    prefix = attention_partial(qr, _kv_rows(k_cache, shared, k_scale), _kv_rows(v_cache, shared, v_scale),
+                               scale_log2)
+    for i in range(b):
+        ctx = int(seq_lens[i])
+        own = block_tables[i, cascade_blocks: -(-ctx // bs)]
+        keys = _kv_rows(k_cache, own, k_scale)[: ctx - prefix_len]
+        vals = _kv_rows(v_cache, own, v_scale)[: ctx - prefix_len]
+        suffix = attention_partial(qr[i: i + 1], keys, vals, scale_log2)
+        row = merge_partials([tuple(x[i: i + 1] for x in prefix), suffix])
+        out[i] = row.reshape(hq, d)

@@ -65,6 +65,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "first token for that prompt (needs chunked prefill)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--disable-cascade-attn", action="store_true",
+                   help="attend each decode over its whole context even where every running decode "
+                        "shares a long cached prefix (by default that prefix is attended once for all)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step N+1 while step N runs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -109,7 +112,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
         prefill_pacing=args.prefill_pacing, enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling,
+        disable_cascade_attn=args.disable_cascade_attn, async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager, max_waiting=args.max_waiting, seed=args.seed,
         kv_events_config=_kv_events_config(getattr(args, "kv_events_config", None)),
         tensor_parallel_size=args.tensor_parallel_size, step_trace=args.step_trace,

@@ -21,3 +21,4 @@ class ForwardBatch(NamedTuple):
     max_query_len: int    # host
     max_seq_len: int      # host
     num_decodes: int = 0  # host: the first num_decodes sequences have one query row each
+    cascade_blocks: int = 0  # host: leading blocks every decode shares (cascade attention), or 0

@@ -218,7 +218,7 @@ class Transformer:
                                       rms_of=r, bias=layer.qkv_bias, kv_scales=kv_scales)
             o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                           self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
-                          follows_kv_write=True, kv_scales=kv_scales)
+                          follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
             ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
             gate_up = ops.linear(r, layer.gate_up, None)
             ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
@@ -242,7 +242,7 @@ class Transformer:
                                   kv_scales=kv_scales)
         o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                       self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
-                      follows_kv_write=True, kv_scales=kv_scales)
+                      follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
         ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r)
         gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None)
         ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r)

@@ -96,7 +96,10 @@ class StepGraphs:
             return "eager", 0
         # decode_only already excludes admissions, hence rows that need a penalty setup.
         # Guided rows keep the decode graph: their masks go between its forward and sampler parts.
-        if (staged.decode_only and not staged.any_penalty and not staged.any_ban and not staged.num_biased
+        # A cascade's launches depend on the shared prefix, so its steps take the layer graphs,
+        # whose attention runs uncaptured.
+        if (staged.decode_only and not staged.cascade_blocks and not staged.any_penalty
+                and not staged.any_ban and not staged.num_biased
                 and staged.logprobs_k == 0 and (padded := padded_size(self.decode_sizes, staged.num_seqs))):
             return "graph", padded
         if self.layer and (padded := padded_size(self.layer_sizes, staged.num_tokens)):
@@ -188,14 +191,15 @@ class StepGraphs:
         num_tokens = staged.num_tokens
         pad_tokens(buf, num_tokens, layers.size)
         fb = upload_inputs(ops, buf, self.sampler.last_tokens, layers.size, staged.num_seqs,
-                           staged.max_blocks, staged.max_query_len, staged.max_seq_len, staged.num_decodes)
+                           staged.max_blocks, staged.max_query_len, staged.max_seq_len, staged.num_decodes,
+                           staged.cascade_blocks)
         ops.arena_reserve(layers.high)
         layers.graphs[0].replay()
         for (q, k_cache, v_cache, out, kv_scales), graph in zip(layers.attention, layers.graphs[1:],
                                                                 strict=True):
             ops.attention(q[:num_tokens], k_cache, v_cache, fb.query_start_loc, fb.seq_lens, fb.block_tables,
                           self.model.scale, staged.max_query_len, staged.max_seq_len, out=out[:num_tokens],
-                          decode_seqs=fb.num_decodes, kv_scales=kv_scales)
+                          decode_seqs=fb.num_decodes, kv_scales=kv_scales, cascade_blocks=fb.cascade_blocks)
             graph.replay()
         return layers.hidden, fb
 

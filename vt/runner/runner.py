@@ -205,6 +205,7 @@ class ModelRunner:
         self.model_cfg, self.cfg, self.ops = model_cfg, cfg, ops
         self.max_model_len = max_model_len
         self.block_size = cfg.block_size
+        self.cascade = not cfg.disable_cascade_attn
         self.pooling = pooling
         # fp8 weights: the checkpoint's format, or --quantization fp8 on an unquantized one
         self.fp8 = resolve_quantization(checkpoint_format(model_cfg.quantization_config), cfg.quantization)
@@ -259,6 +260,7 @@ class ModelRunner:
                                       self.max_tokens, self.max_blocks, max_model_len, decode=pooling is None)
         self.routes: Counter = Counter()  # steps launched by route, for tests and benchmarks
         self.guided_routes: Counter = Counter()  # the same, for steps with guided rows
+        self.cascade_steps = 0  # steps whose decodes attended a shared prefix once (cascade)
         self.deferred_samples = 0  # masked steps: their sampler waited for the previous step's tokens
         if ops.name == "cuda" and not cfg.enforce_eager:
             self.capture_graphs()
@@ -340,6 +342,7 @@ class ModelRunner:
         # the counters describe served steps: the profile's guided, masked steps are not
         self.routes.clear()
         self.guided_routes.clear()
+        self.cascade_steps = 0
         self.deferred_samples = 0
 
     def release(self, request_id: str) -> None:
@@ -370,7 +373,7 @@ class ModelRunner:
             self.release(request_id)
         slot = self._take_slot()
         staged = stage_batch(self.slots[slot], batch, self.sampler_rows, self.block_size, eos_for,
-                             defer_masks)
+                             defer_masks, self.cascade)
         if staged.num_masks:
             if fill_masks is None:
                 raise ValueError("a guided request is in the step but no mask filler was given")
@@ -384,6 +387,7 @@ class ModelRunner:
         """The staged step's route (counted) and what it runs after."""
         route, padded = self.step_graphs.route(staged, gemm_sms)
         self.routes[route] += 1
+        self.cascade_steps += bool(staged.cascade_blocks)
         if staged.num_masks:
             self.guided_routes[route] += 1
         return StepLaunch(slot, staged, route, padded, fences=tuple(self._fences - {slot}),
@@ -553,7 +557,7 @@ class ModelRunner:
             return self.step_graphs.replay_layers(st.slot, staged, st.padded)
         fb = upload_inputs(self.ops, self.slots[st.slot], self.sampler.last_tokens, staged.num_tokens,
                            staged.num_seqs, staged.max_blocks, staged.max_query_len, staged.max_seq_len,
-                           staged.num_decodes)
+                           staged.num_decodes, staged.cascade_blocks)
         return self.model.forward(fb, self.kv)
 
     def _hidden(self, st: StepLaunch) -> tuple[Any, Any]:
@@ -565,7 +569,7 @@ class ModelRunner:
             return hidden, fb.logits_indices
         fb = upload_inputs(self.ops, self.slots[st.slot], self.sampler.last_tokens, staged.num_tokens,
                            staged.num_seqs, staged.max_blocks, staged.max_query_len, staged.max_seq_len,
-                           staged.num_decodes)
+                           staged.num_decodes, staged.cascade_blocks)
         return self.model.hidden(fb, self.kv), fb.logits_indices
 
     def _sample_first_pass(self, st: StepLaunch, forward: Any) -> None:

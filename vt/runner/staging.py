@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from vt.kernels.base import Backend
+from vt.kernels.cascade_plan import common_prefix_blocks
 from vt.model.batch import ForwardBatch
 from vt.runner.buffers import MAX_BANNED, ROW_PARAM_FIELDS, HostDevice, SamplerRow, SlotBuffers
 from vt.sched.output import NewRequestData, ScheduledBatch, ScheduledSeq
@@ -88,6 +89,7 @@ class StagedBatch:
     num_seqs: int
     max_blocks: int                      # block-table stride of this step
     num_decodes: int                     # leading sequences with one token each
+    cascade_blocks: int                  # leading blocks all of them share (cascade attention), or 0
     max_query_len: int
     max_seq_len: int
     decode_only: bool                    # every sequence one token, no admission
@@ -145,10 +147,11 @@ def decodes_first(seqs: tuple[ScheduledSeq, ...]) -> tuple[tuple[ScheduledSeq, .
 
 
 def stage_batch(buf: SlotBuffers, batch: ScheduledBatch, rows: SamplerRows, block_size: int,
-                eos_for: EosFor, defer_masks: bool) -> StagedBatch:
+                eos_for: EosFor, defer_masks: bool, cascade: bool = False) -> StagedBatch:
     """Admit the batch's new requests to sampler rows and write the step into buf's host
     halves. defer_masks: a step with guided rows samples them in a second pass (a masked step)
-    even where their masks could be filled now."""
+    even where their masks could be filled now. cascade: look for blocks that every decode
+    shares (cascade_plan.common_prefix_blocks)."""
     seqs, num_decodes = decodes_first(batch.seqs)
     num_seqs = len(seqs)
     max_blocks = max(len(s.block_ids) for s in seqs)
@@ -164,8 +167,12 @@ def stage_batch(buf: SlotBuffers, batch: ScheduledBatch, rows: SamplerRows, bloc
     for name, _ in ROW_PARAM_FIELDS:
         np.take(rows.params[name], row_index, out=getattr(buf, name)[0][:num_seqs])
     num_masks = len(lists.mask_batch_rows)
+    cascade_blocks = (common_prefix_blocks(block_table_host[:num_decodes],
+                                           np.asarray(lists.seq_lens[:num_decodes]), block_size)
+                      if cascade and num_decodes else 0)
     return StagedBatch(
         num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=max_blocks, num_decodes=num_decodes,
+        cascade_blocks=cascade_blocks,
         max_query_len=max(s.num_tokens for s in seqs),
         max_seq_len=max(s.start_pos + s.num_tokens for s in seqs),
         decode_only=lists.decode_only, penalty_inits=lists.penalty_inits,
@@ -298,7 +305,7 @@ def _write_sampler_rows(buf: SlotBuffers, lists: _BatchLists, deferred: bool) ->
 
 def upload_inputs(ops: Backend, buf: SlotBuffers, last_tokens: Any, num_tokens: int, num_seqs: int,
                   max_blocks: int, max_query_len: int, max_seq_len: int,
-                  num_decodes: int = 0) -> ForwardBatch:
+                  num_decodes: int = 0, cascade_blocks: int = 0) -> ForwardBatch:
     """Copy the staged step onto the device (on the current slot's stream) and fill the inputs
     that are the previous step's tokens from last_tokens; the forward's view of it."""
     def up(pair: HostDevice, n: int) -> Any:
@@ -323,4 +330,5 @@ def upload_inputs(ops: Backend, buf: SlotBuffers, last_tokens: Any, num_tokens: 
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         num_decodes=num_decodes,
+        cascade_blocks=cascade_blocks,
     )
