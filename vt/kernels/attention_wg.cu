@@ -346,7 +346,9 @@ __device__ __forceinline__ void wgr_convert_tile(unsigned char* tile16, const un
 // offsets fetched by its own threads) and hands it to the other through named barriers:
 //   FULL[w][s] (ids 1 + 3 w + s): warpgroup w syncs on it before step t (s = t % 3) reads the
 //     group copied at step t - 2; the other warpgroup arrives once its own half of that group
-//     has landed (each thread waited for its group and fenced it for the async proxy).
+//     has landed (each thread waited for its group and fenced it for the async proxy), which it
+//     checks in the middle of step t - 1, after its own refill: the leading warpgroup may then
+//     start step t while the other still runs step t - 1's softmax.
 //   EMPTY[w][p] (ids 7 + 2 w + p): before warpgroup w refills at step t the stages of K(t - 1)
 //     and V(t - 2), the other must have retired S(t - 1) and P(t - 2) V(t - 2): it arrives at the
 //     end of its step t - 1 (p = (t - 1) & 1; two ids, so an arrival for step t cannot land in
@@ -513,17 +515,17 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 
     if constexpr (PP) {
         const int other = 1 - wg;
-        // This warpgroup's half of the group copied two steps before `tile` has landed, fenced for
-        // the products; then the other's half.
-        auto landed = [&](int tile) {
+        // This thread's copies of the group committed before the newest have landed: fenced for
+        // the products and announced to the other warpgroup, for the step that reads them.
+        auto announce = [&](int step) {
             cp_async_wait<1>();
             fence_proxy_async();
-            bar_arrive(WGS_FULL(other, tile % STAGES), NT);
-            bar_sync(WGS_FULL(wg, tile % STAGES), NT);
+            bar_arrive(WGS_FULL(other, step % STAGES), NT);
         };
+        announce(tile0);  // Q and K(tile0), and the zeroed V stage
         if (wg == 1) bar_arrive(WGS_SCHED(0), NT);  // warpgroup 0 issues first
         for (int tile = tile0; tile < tile1; ++tile) {
-            landed(tile);
+            bar_sync(WGS_FULL(wg, tile % STAGES), NT);  // both halves of K(t) and V(t - 1)
             float s[16][4];
             bar_sync(WGS_SCHED(wg), NT);
             issue_s(tile, s);
@@ -536,6 +538,9 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
             if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
             cp_async_commit();
             fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
+            // K(t + 1) and V(t) (last step's group): announced now, not at the next step's start,
+            // so that the other warpgroup may start that step while this one runs its softmax.
+            announce(tile + 1);
             wgmma_wait<1>();
             Wgmma<128>::pin(&s[0][0]);
             const float2 corr =
@@ -548,7 +553,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 #pragma unroll
             for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
         }
-        landed(tile1);  // the last V, both halves
+        bar_sync(WGS_FULL(wg, tile1 % STAGES), NT);  // the last V, both halves
         bar_sync(WGS_SCHED(wg), NT);
         wgmma_fence();
         issue_pv(tile1 - 1);
