@@ -104,6 +104,9 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
                          lambda d: wg_smem(2, 3, 2, v_direct=True), True),
     "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_smem=lambda d: wgr_smem(kv8=True)),
+    # wgs: wgr with its two warpgroups in ping-pong (named barriers instead of a block barrier a
+    # tile; attention_wg.cu's PP notes). Checked on the host simulator, not yet timed on a GPU.
+    "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True),
 }
 DEFAULT_PREFILL_TILING = "wgr"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)

@@ -341,8 +341,31 @@ __device__ __forceinline__ void wgr_convert_tile(unsigned char* tile16, const un
     }
 }
 
-template <bool KV8>
+// PP (wgs, bf16 only): the two warpgroups ping-pong instead of meeting at a block barrier every
+// tile. Each warpgroup copies its own half of every K and V tile (keys 64 wg .. 64 wg + 63, their
+// offsets fetched by its own threads) and hands it to the other through named barriers:
+//   FULL[w][s] (ids 1 + 3 w + s): warpgroup w syncs on it before step t (s = t % 3) reads the
+//     group copied at step t - 2; the other warpgroup arrives once its own half of that group
+//     has landed (each thread waited for its group and fenced it for the async proxy), which it
+//     checks in the middle of step t - 1, after its own refill: the leading warpgroup may then
+//     start step t while the other still runs step t - 1's softmax.
+//   EMPTY[w][p] (ids 7 + 2 w + p): before warpgroup w refills at step t the stages of K(t - 1)
+//     and V(t - 2), the other must have retired S(t - 1) and P(t - 2) V(t - 2): it arrives at the
+//     end of its step t - 1 (p = (t - 1) & 1; two ids, so an arrival for step t cannot land in
+//     the phase of step t - 1 before warpgroup w has synced it).
+//   SCHED[w] (ids 11 + w): FlashAttention-3's scheduler: warpgroup w syncs before issuing its
+//     products, and arrives at the other's once they are issued, so the two issue in turn and
+//     one's softmax runs while the other's products hold the tensor cores.
+// A step issues its products first and refills after them (the refill waits for the other
+// warpgroup's last step, which must not hold back this one's products). The lag between the two
+// stays under a step: the FULL and EMPTY waits bound it.
+#define WGS_FULL(w, s) (1 + 3 * (w) + (s))
+#define WGS_EMPTY(w, p) (7 + 2 * (w) + (p))
+#define WGS_SCHED(w) (11 + (w))
+
+template <bool KV8, bool PP = false>
 __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
+    static_assert(!(KV8 && PP), "the ping-pong body reads a bf16 cache");
     constexpr int NT = 256, ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
     constexpr int Q_BYTES = 2 * ROWS * 128;
     constexpr int PARTS = KV8 ? WG_D / 16 : WG_D / 8;  // 16-byte pieces of a cached head row
@@ -375,16 +398,18 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
 
     // The cache row (in 16-byte units) of each key of `tile`, into its offset slot (warpgroup 0,
-    // a key a thread); 0, a valid address the copies read nothing from, for keys past kv_end.
+    // a key a thread; PP: the first 64 threads of each warpgroup, its own half of the keys); 0, a
+    // valid address the copies read nothing from, for keys past kv_end.
     auto fetch = [&](int tile) {
-        if (tid < KT && tile < tile1) {
-            const int kpos = tile * KT + tid;
+        const int fk = PP ? wg * (KT / 2) + tid % 128 : tid;
+        if ((PP ? tid % 128 < KT / 2 : tid < KT) && tile < tile1) {
+            const int kpos = tile * KT + fk;
             unsigned int off = 0u;
             if (kpos < kv_end) {
                 const size_t blk = (size_t)table[kpos / block_size];
                 off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
             }
-            off_s[(tile % STAGES) * KT + tid] = off;
+            off_s[(tile % STAGES) * KT + fk] = off;
         }
     };
     // One K or V tile into its stage of `slots`: this thread's piece `part` of keys key0 + 16 i.
@@ -392,23 +417,27 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     // past kv_end are zero-filled. A copy is an offset load, one wide multiply-add and the
     // cp.async: the copies are most of a step's instructions outside the softmax.
     // KV8: pieces of 16 codes into the unswizzled fp8 stage (rows of 128 codes), keys key0 + 32 i.
-    const int key0 = tid / PARTS, part = tid % PARTS;
+    // PP: a warpgroup's 128 threads copy its 64 keys, 8 keys apart (the same 8 copies a thread).
+    constexpr int CT = PP ? 128 : NT;      // the threads that copy one tile
+    constexpr int KSTEP = CT / PARTS;      // keys between one thread's copies
+    const int ctid = PP ? tid % 128 : tid;
+    const int key0 = (PP ? wg * (KT / 2) : 0) + ctid / PARTS, part = ctid % PARTS;
     const unsigned dst0 = KV8 ? key0 * WG_D + part * 16
                               : (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
     auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
         const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + dst0;
         const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
         const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
-        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with (NT / PARTS) i < valid are real
+        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with KSTEP i < valid are real
         // The offsets first: read between the copies (whose asm clobbers memory), each read
         // costs a shared-load round trip and ptxas pads every copy after one.
         unsigned int off[COPIES];
 #pragma unroll
-        for (int i = 0; i < COPIES; ++i) off[i] = offs[i * (NT / PARTS)];
+        for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
 #pragma unroll
         for (int i = 0; i < COPIES; ++i)
-            cp_async16_u32(dst + i * (NT / PARTS) * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
-                           i * (NT / PARTS) < valid ? 16 : 0);
+            cp_async16_u32(dst + i * KSTEP * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
+                           i * KSTEP < valid ? 16 : 0);
     };
 
     for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
@@ -484,43 +513,97 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         wgmma_commit();
     };
 
-    // As wgv's loop: no wgmma on a branch (ptxas would serialize them all), so the first P V
-    // multiplies a zero P, and tiles past a warpgroup's last row are computed fully masked.
-    for (int tile = tile0; tile < tile1; ++tile) {
-        next_tile(tile);
-        float s[16][4];
-        issue_s(tile, s);
-        issue_pv(tile - 1);
-        fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
-        wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
-        Wgmma<128>::pin(&s[0][0]);
-        const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
-        // ptxas moves a wait up past arithmetic but not past a shared-memory store: storing
-        // the row sums, which need every exponential of the tile, keeps the softmax before it.
-        st_shared_u32(sink, __float_as_uint(l_a + l_b));
+    if constexpr (PP) {
+        const int other = 1 - wg;
+        // This thread's copies of the group committed before the newest have landed: fenced for
+        // the products and announced to the other warpgroup, for the step that reads them.
+        auto announce = [&](int step) {
+            cp_async_wait<1>();
+            fence_proxy_async();
+            bar_arrive(WGS_FULL(other, step % STAGES), NT);
+        };
+        announce(tile0);  // Q and K(tile0), and the zeroed V stage
+        if (wg == 1) bar_arrive(WGS_SCHED(0), NT);  // warpgroup 0 issues first
+        for (int tile = tile0; tile < tile1; ++tile) {
+            bar_sync(WGS_FULL(wg, tile % STAGES), NT);  // both halves of K(t) and V(t - 1)
+            float s[16][4];
+            bar_sync(WGS_SCHED(wg), NT);
+            issue_s(tile, s);
+            issue_pv(tile - 1);
+            bar_arrive(WGS_SCHED(other), NT);
+            // The refill: K(t + 2) and V(t + 1) into the stages of K(t - 1) and V(t - 2), once the
+            // other warpgroup has retired the products that read them (its step t - 1).
+            if (tile > tile0) bar_sync(WGS_EMPTY(wg, (tile - 1) & 1), NT);
+            if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache);
+            if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
+            cp_async_commit();
+            fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
+            // K(t + 1) and V(t) (last step's group): announced now, not at the next step's start,
+            // so that the other warpgroup may start that step while this one runs its softmax.
+            announce(tile + 1);
+            wgmma_wait<1>();
+            Wgmma<128>::pin(&s[0][0]);
+            const float2 corr =
+                softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+            st_shared_u32(sink, __float_as_uint(l_a + l_b));
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+            bar_arrive(WGS_EMPTY(other, tile & 1), NT);  // S(t) and P(t - 1) V(t - 1) are retired
+            rescale_m_tile<16>(o, corr);
+#pragma unroll
+            for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
+        }
+        bar_sync(WGS_FULL(wg, tile1 % STAGES), NT);  // the last V, both halves
+        bar_sync(WGS_SCHED(wg), NT);
+        wgmma_fence();
+        issue_pv(tile1 - 1);
+        bar_arrive(WGS_SCHED(other), NT);
         wgmma_wait<0>();
         Wgmma<128>::pin(&o[0][0]);
-        rescale_m_tile<16>(o, corr);
-        // P into the registers the product has finished reading: n-tile n's rows g and g + 8
+        cp_async_wait<0>();
+        store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
+                           total_tokens, num_splits, out, part_o, part_ml, v_scale);
+    } else {
+        // As wgv's loop: no wgmma on a branch (ptxas would serialize them all), so the first P V
+        // multiplies a zero P, and tiles past a warpgroup's last row are computed fully masked.
+        for (int tile = tile0; tile < tile1; ++tile) {
+            next_tile(tile);
+            float s[16][4];
+            issue_s(tile, s);
+            issue_pv(tile - 1);
+            fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
+            wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
+            Wgmma<128>::pin(&s[0][0]);
+            const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+            // ptxas moves a wait up past arithmetic but not past a shared-memory store: storing
+            // the row sums, which need every exponential of the tile, keeps the softmax before it.
+            st_shared_u32(sink, __float_as_uint(l_a + l_b));
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+            rescale_m_tile<16>(o, corr);
+            // P into the registers the product has finished reading: n-tile n's rows g and g + 8
 #pragma unroll
-        for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
-    }
-    next_tile(tile1);  // the last V landed for every thread (nothing is copied any more)
-    wgmma_fence();
-    issue_pv(tile1 - 1);
-    wgmma_wait<0>();
-    Wgmma<128>::pin(&o[0][0]);
-    cp_async_wait<0>();
+            for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
+        }
+        next_tile(tile1);  // the last V landed for every thread (nothing is copied any more)
+        wgmma_fence();
+        issue_pv(tile1 - 1);
+        wgmma_wait<0>();
+        Wgmma<128>::pin(&o[0][0]);
+        cp_async_wait<0>();
 
-    store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
-                       total_tokens, num_splits, out, part_o, part_ml, v_scale);
+        store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
+                           total_tokens, num_splits, out, part_o, part_ml, v_scale);
+    }
 }
 
-#define ATTENTION_WGR_ENTRY(NAME, KV8)                                                            \
+#define ATTENTION_WGR_ENTRY(NAME, KV8, PP)                                                        \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
-        attention_wgr_body<KV8>(ATTN_TC_ARGS);                                                    \
+        attention_wgr_body<KV8, PP>(ATTN_TC_ARGS);                                                \
     }
 
-ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false)
+ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
+// wgs: wgr's products and data flow, its warpgroups in ping-pong (the PP notes above).
+ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
 // fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
-ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true)
+ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true, false)
