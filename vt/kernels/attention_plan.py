@@ -68,6 +68,9 @@ class PrefillTiling(NamedTuple):
     # shared memory of its fp8-KV-cache kernels (name + KV8_SUFFIX) for head dim d, or None where
     # it has none (wgmma's wg, wg3, wgp, wgv: an fp8 cache's prompts then run on the fallback tiling)
     kv8_smem: Callable[[int], int] | None = None
+    # where it has none: the tiling whose fp8-KV-cache kernels its fp8 cache's prompts run on
+    # (None: the fallback tiling's)
+    kv8_tiling: str | None = None
 
     def kernels(self, kv8: bool = False) -> list[str]:
         """Its kernels' names, one per head dim (kv8: its fp8-KV-cache kernels', if any)."""
@@ -85,11 +88,11 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
 # (bench/kernels/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
-# register A, 128-key tiles, K loaded two tiles ahead) is the fastest on every case, 1.7-2.3x r64,
-# and the default. A GPU without sm_90 (or a head dim wgr lacks) runs r64. VT_PREFILL_TILING
-# picks one for a benchmark. The shared memory follows each entry's template arguments in
-# attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read directly; wgr_smem
-# for wgr's own body).
+# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64, and wgs (wgr in ping-pong)
+# the fastest on every case and the default. A GPU without sm_90 (or a head dim they lack) runs
+# r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory follows each entry's
+# template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read
+# directly; wgr_smem for wgr's and wgs's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES),
                          kv8_smem=lambda d: tc_smem(d, TC_STAGES, kv8=True)),
@@ -105,10 +108,12 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_smem=lambda d: wgr_smem(kv8=True)),
     # wgs: wgr with its two warpgroups in ping-pong (named barriers instead of a block barrier a
-    # tile; attention_wg.cu's PP notes). Checked on the host simulator, not yet timed on a GPU.
-    "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True),
+    # tile; attention_wg.cu's PP notes): 1.10-1.13x wgr's rate on the H100 (bench/RESULTS.md).
+    # An fp8 cache's prompts run on wgr's kernels.
+    "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
+                         kv8_tiling="wgr"),
 }
-DEFAULT_PREFILL_TILING = "wgr"
+DEFAULT_PREFILL_TILING = "wgs"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
 # another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
@@ -135,7 +140,8 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     warps sharing out the keys; the `prefill` tiling (PREFILL_TILINGS) otherwise. A K (or V)
     cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores.
     kv8: the cache holds e4m3 codes; the same choice among the kernels that read them (name +
-    KV8_SUFFIX), a prompt tiling without such kernels (wgmma's but wgr) taking the fallback's."""
+    KV8_SUFFIX), a prompt tiling without such kernels taking its kv8_tiling's (wgs: wgr's) or else
+    the fallback's."""
     rows = max_query_len * group
     suffix = KV8_SUFFIX if kv8 else ""
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
@@ -146,6 +152,8 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
             smem = tc_smem(d, TC_STAGES, kv8=kv8)
             return AttnKernel(f"attention_tc_d{d}_decode{suffix}", True, 1, smem, 128)
         t = PREFILL_TILINGS[prefill]
+        if kv8 and t.kv8_smem is None:
+            t = PREFILL_TILINGS[t.kv8_tiling or FALLBACK_PREFILL_TILING]
         if d not in t.head_dims or (kv8 and t.kv8_smem is None):
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
         smem = t.kv8_smem(d) if kv8 and t.kv8_smem is not None else t.smem(d)
