@@ -1263,8 +1263,9 @@ def test_every_e4m3_code_reads_back_exactly(cb, rng, q_len, hk, d, tiling):
 ])
 def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_lens, ctx_lens, hq, hk, d,
                                               monkeypatch):
-    """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90), or (the
-    other wgmma tilings', a head dim it lacks) the fallback's."""
+    """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90), those of
+    the tiling it names (wgs: wgr's), or (the other wgmma tilings', a head dim it lacks) the
+    fallback's."""
     scale = d**-0.5
 
     def make(rng):
@@ -1285,6 +1286,8 @@ def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_le
     try:
         cb.use_prefill_tiling(tiling, strict=False)
         t = PREFILL_TILINGS[cb.prefill_tiling]  # the fallback where sm_90a kernels do not build
+        if t.kv8_smem is None:
+            t = PREFILL_TILINGS[t.kv8_tiling or FALLBACK_PREFILL_TILING]
         if t.kv8_smem is None or d not in t.head_dims:
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
         expected = t.kernel.format(d=d) + KV8_SUFFIX
