@@ -109,6 +109,14 @@ def test_vllm_flags_parse_with_their_defaults():
     assert args.served_model_name == ["a", "b"]
 
 
+def test_disable_cascade_attn_reaches_the_engine_config(model):
+    from vt.launch.cli import _engine_config
+
+    on = _engine_config(build_parser().parse_args(["serve", str(model)]))
+    off = _engine_config(build_parser().parse_args(["serve", str(model), "--disable-cascade-attn"]))
+    assert (on.disable_cascade_attn, off.disable_cascade_attn) == (False, True)
+
+
 @pytest.mark.parametrize("served, model_arg, names", [
     (None, "/models/Qwen3-8B", ("/models/Qwen3-8B", ("Qwen3-8B",))),
     (None, "Qwen/Qwen3-8B", ("Qwen/Qwen3-8B", ("Qwen3-8B",))),
