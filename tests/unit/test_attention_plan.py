@@ -22,10 +22,12 @@ def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one
     assert attention_kernel(2, 4, 128)[:3] == ("attention_tc_d128_decode8", True, 1)  # 4 tokens x 2
     assert attention_kernel(16, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
-    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgs_d128_prefill", True, 1)  # 20 rows
+    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgr_d128_prefill", True, 1)  # 20 rows
+    assert attention_kernel(4, 5, 128, prefill="wgs")[:3] == ("attention_wgs_d128_prefill", True, 1)
     assert attention_kernel(4, 5, 128, prefill="r64")[:3] == ("attention_tc_d128_prefill", True, 1)
     # wgs has no fp8-cache kernel: an fp8 cache's prompts take wgr's, decodes stay on theirs
-    assert attention_kernel(4, 5, 128, kv8=True)[:3] == ("attention_wgr_d128_prefill_kv8", True, 1)
+    wgs_kv8 = attention_kernel(4, 5, 128, prefill="wgs", kv8=True)
+    assert wgs_kv8[:3] == ("attention_wgr_d128_prefill_kv8", True, 1)
     assert attention_kernel(4, 1, 128, kv8=True)[0] == "attention_tc_d128_decode8_kv8"
     # wgs and wgr have head dim 128 only: 64 runs on the fallback, r64, with an fp8 cache too
     assert attention_kernel(2, 1000, 64)[:3] == ("attention_tc_d64_prefill", True, 32)

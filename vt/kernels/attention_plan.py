@@ -88,11 +88,12 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
 # (bench/kernels/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
-# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64, and wgs (wgr in ping-pong)
-# the fastest on every case and the default. A GPU without sm_90 (or a head dim they lack) runs
-# r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory follows each entry's
-# template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q rows, buffers, V read
-# directly; wgr_smem for wgr's and wgs's own body).
+# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64 and the default; wgs (wgr
+# in ping-pong) is faster still on every case timed (1.07-1.13x wgr) and becomes the default once
+# the GPU suites have run with it as the default (branch wgs-default). A GPU without sm_90 (or a
+# head dim they lack) runs r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory
+# follows each entry's template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q
+# rows, buffers, V read directly; wgr_smem for wgr's and wgs's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "r64": PrefillTiling("attention_tc_d{d}_prefill", TC_HEAD_DIMS, 64, 128, lambda d: tc_smem(d, TC_STAGES),
                          kv8_smem=lambda d: tc_smem(d, TC_STAGES, kv8=True)),
@@ -108,12 +109,12 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgr": PrefillTiling("attention_wgr_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_smem=lambda d: wgr_smem(kv8=True)),
     # wgs: wgr with its two warpgroups in ping-pong (named barriers instead of a block barrier a
-    # tile; attention_wg.cu's PP notes): 1.10-1.13x wgr's rate on the H100 (bench/RESULTS.md).
+    # tile; attention_wg.cu's PP notes): 1.07-1.13x wgr's rate on the H100 (bench/RESULTS.md).
     # An fp8 cache's prompts run on wgr's kernels.
     "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr"),
 }
-DEFAULT_PREFILL_TILING = "wgs"
+DEFAULT_PREFILL_TILING = "wgr"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
 # another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
