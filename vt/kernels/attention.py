@@ -227,7 +227,7 @@ class AttentionOps(CudaCore):
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
         cap = (cascade_splits_within(part_buf.nbytes, b, hq, d) if part_buf is not None
                else MAX_KEY_SPLITS)
-        if cap < 4:
+        if not cap:
             return False
         prefix_len = cascade_blocks * bs
         pre = attention_kernel(b * group, 1, d, k_cache.size, prefill=self.prefill_tiling, kv8=kv8)
@@ -252,14 +252,14 @@ class AttentionOps(CudaCore):
                                      memptr=block_tables.data + cascade_blocks * 4)
         k_scale, v_scale = kv_scales if kv8 else (1.0, 1.0)
         scale_log2 = _f32(scale * _LOG2E * k_scale)
+        qst = _i32(token_stride(q, "attention q"))
         self._launch("attention_cascade_prep_k", (b,), (128,),
-                     (q, _i32(token_stride(q, "attention q")), seq_lens, _i32(b), _i32(hq), _i32(hk), _i32(d),
-                      _i32(prefix_len), q_perm, ints))
+                     (q, qst, seq_lens, _i32(b), _i32(hq), _i32(hk), _i32(d), _i32(prefix_len), q_perm, ints))
         tail = (_i32(bs), scale_log2)
         for plan, args, splits, seqs in (
             (pre, (q_perm, _i32(rows * d), k_cache, v_cache, ints[b:], ints[b + 2:], block_tables,
                    _i32(stride), out, part_o[:sp], part_ml[:sp], _i32(1), _i32(rows), _i32(hk)), sp, 1),
-            (suf, (q, _i32(token_stride(q, "attention q")), k_cache, v_cache, query_start_loc, ints,
+            (suf, (q, qst, k_cache, v_cache, query_start_loc, ints,
                    suffix_tables, _i32(stride), out, part_o[sp:], part_ml[sp:], _i32(b), _i32(hq), _i32(hk)),
              ss, b),
         ):

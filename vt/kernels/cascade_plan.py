@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vt.kernels.arena import aligned
+from vt.kernels.arena import ALIGN, aligned
 
 # Below these a step's decodes attend as usual: the prefix launch and the merge cost more than
 # the shared keys' second and later reads (a few decodes, or a short shared prefix).
@@ -64,10 +64,24 @@ def cascade_scratch(prefix_splits: int, suffix_splits: int, seqs: int, num_heads
     return CascadeScratch(0, ints, part_o, part_ml, part_ml + aligned(splits * rows * 2 * 4))
 
 
+# The most splits a cascade takes: its two launches' key splits together.
+CASCADE_MAX_SPLITS = 128
+# Fewer than this and it does not run: each of its two launches needs two splits to write partials.
+CASCADE_MIN_SPLITS = 4
+
+
 def cascade_splits_within(budget: int, seqs: int, num_heads: int, head_dim: int) -> int:
-    """The most splits (prefix and suffix together) whose cascade scratch fits budget bytes;
-    0 where not even two (one a part, each must write partials) fit."""
-    s = 0
-    while s < 128 and cascade_scratch(s + 1, 0, seqs, num_heads, head_dim).end <= budget:
+    """The most splits (prefix and suffix together, up to CASCADE_MAX_SPLITS) whose cascade
+    scratch fits budget bytes; 0 where fewer than CASCADE_MIN_SPLITS fit. Runs at every layer of
+    a cascade step: an estimate from the bytes a split takes, then the exact layout's check."""
+    def fits(s: int) -> bool:
+        return cascade_scratch(s, 0, seqs, num_heads, head_dim).end <= budget
+
+    fixed = cascade_scratch(0, 0, seqs, num_heads, head_dim).end
+    per_split = seqs * num_heads * (head_dim + 2) * 4
+    s = max(0, min(CASCADE_MAX_SPLITS, (budget - fixed - 2 * ALIGN) // per_split))
+    while s < CASCADE_MAX_SPLITS and fits(s + 1):
         s += 1
-    return s if s >= 2 else 0
+    while s and not fits(s):
+        s -= 1
+    return s if s >= CASCADE_MIN_SPLITS else 0

@@ -180,7 +180,6 @@ class NumpyBackend(NumpyFp8Ops):
                   follows_kv_write: bool = False,
                   kv_scales: tuple[float, float] = (1.0, 1.0), cascade_blocks: int = 0) -> np.ndarray:
         t, hq, d = q.shape
-        fp8 = k_cache.dtype == E4M3
         if decode_seqs and (np.diff(query_start_loc[: decode_seqs + 1]) != 1).any():
             raise ValueError(f"attention: the first {decode_seqs} sequences must have one query row each")
         _, bs, hk, _ = k_cache.shape
@@ -195,7 +194,7 @@ class NumpyBackend(NumpyFp8Ops):
             first = len(seq_lens) if max_query_len == 1 else decode_seqs
             if first:
                 cascade_attention(q[:first], k_cache, v_cache, seq_lens[:first], block_tables[:first], scale,
-                                  cascade_blocks, kv_scales if fp8 else (1.0, 1.0), out[:first])
+                                  cascade_blocks, kv_scales, out[:first])
         for b in range(first, len(seq_lens)):
             start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
             length, ctx = end - start, int(seq_lens[b])
@@ -204,11 +203,8 @@ class NumpyBackend(NumpyFp8Ops):
             if ctx < length:
                 raise ValueError(f"sequence {b}: seq_len {ctx} is shorter than its {length} query rows")
             blocks = block_tables[b, : -(-ctx // bs)]
-            keys = k_cache[blocks].reshape(-1, hk, d)[:ctx]
-            vals = v_cache[blocks].reshape(-1, hk, d)[:ctx]
-            if fp8:  # an fp8 cache reads as code * scale
-                keys = keys.astype(np.float32) * np.float32(kv_scales[0])
-                vals = vals.astype(np.float32) * np.float32(kv_scales[1])
+            keys = _kv_rows(k_cache, blocks, kv_scales[0])[:ctx]
+            vals = _kv_rows(v_cache, blocks, kv_scales[1])[:ctx]
             qb = q[start:end].reshape(length, hk, group, d)
             scores = np.einsum("lkgd,skd->kgls", qb, keys) * np.float32(scale)
             # Row j sits at position ctx - length + j and sees keys 0..itself.
@@ -365,10 +361,10 @@ class NumpyBackend(NumpyFp8Ops):
 
 
 def _kv_rows(cache: np.ndarray, blocks: np.ndarray, scale: float) -> np.ndarray:
-    """The cached rows of `blocks` in order, f32[len * block_size, Hk, D] (an fp8 cache's codes
-    times its scale)."""
+    """The cached rows of `blocks` in order, [len * block_size, Hk, D]: an fp8 cache's codes read
+    as code * scale in f32, any other cache as stored."""
     rows = cache[blocks].reshape(-1, *cache.shape[2:])
-    return rows.astype(np.float32) * np.float32(scale) if cache.dtype == E4M3 else rows.astype(np.float32)
+    return rows.astype(np.float32) * np.float32(scale) if cache.dtype == E4M3 else rows
 
 
 def attention_partial(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, scale_log2: float
@@ -396,7 +392,8 @@ def cascade_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, s
                       kv_scales: tuple[float, float], out: np.ndarray) -> None:
     """Decode rows q [B, Hq, D] whose first cascade_blocks blocks are the same (row 0's): every
     row against those shared keys as one partial, each row's own later keys as another, merged
-    into out [B, Hq, D]. The twin of CUDA's cascade (prefix launch, suffix launch, merge)."""
+    into out [B, Hq, D]. The twin of CUDA's cascade (prefix launch, suffix launch, merge).
+    kv_scales: an fp8 cache's (k_scale, v_scale); other caches ignore them."""
     b, hq, d = q.shape
     _, bs, hk, _ = k_cache.shape
     prefix_len = cascade_blocks * bs
