@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from vt.kernels.sources import read_source, translation_unit
@@ -185,6 +186,16 @@ def build_kernels(fname: str, kernels: Mapping[str, tuple[str, str, list]]) -> c
     for name, (_, _, argtypes) in kernels.items():
         getattr(lib, f"sim_{name}").argtypes = LAUNCH_ARGTYPES + argtypes
     return lib
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16, as the uint16 bits the kernels read (contiguous)."""
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def bf16_float(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) as float32 values."""
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:

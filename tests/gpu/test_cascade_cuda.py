@@ -7,10 +7,10 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.unit.cascade_batches import bf16, shared_prefix_batch
 from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
@@ -30,10 +30,6 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
-def bf16(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     if not np.all(np.isfinite(out)):
@@ -42,21 +38,8 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def _case(rng, b: int, hq: int, hk: int, d: int, bs: int, shared: int, max_own: int, kv8: bool):
-    """b decodes sharing `shared` blocks (anywhere in the cache), then 1..max_own keys of their own;
-    table padding holds an out-of-range block id that no launch may read."""
-    own = rng.integers(1, max_own + 1, b)
-    need = [-(-int(n) // bs) for n in own]
-    nblk = shared + sum(need) + 2
-    pool = list(rng.permutation(nblk))
-    prefix = [pool.pop() for _ in range(shared)]
-    table = np.full((b, shared + max(need) + 1), 10**6, np.int32)
-    for i, n in enumerate(need):
-        table[i, :shared] = prefix
-        table[i, shared: shared + n] = [pool.pop() for _ in range(n)]
-    lens = (shared * bs + own).astype(np.int32)
-    q = bf16(rng.standard_normal((b, hq, d)))
-    kc = bf16(rng.standard_normal((nblk, bs, hk, d)))
-    vc = bf16(rng.standard_normal((nblk, bs, hk, d)))
+    """shared_prefix_batch, its caches as e4m3 codes where kv8."""
+    q, kc, vc, lens, table = shared_prefix_batch(rng, b, hq, hk, d, bs, shared, max_own)
     if kv8:
         kc, vc = to_e4m3(kc * 40), to_e4m3(vc * 40)
     return q, kc, vc, lens, table

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from tests.cuda_sim import SimAttention, SimUnavailable
+from tests.cuda_sim import bf16_bits as _bits
+from tests.cuda_sim import bf16_float as _float
 from vt.kernels.attention_plan import (
     DEFAULT_PREFILL_TILING,
     FALLBACK_PREFILL_TILING,
@@ -30,14 +32,6 @@ def sim():
         return SimAttention()
     except SimUnavailable as e:
         pytest.skip(str(e))
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def _float(bits: np.ndarray) -> np.ndarray:
-    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, bs):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from tests.cuda_sim import _LAUNCH_ARGTYPES, _TC_ARGTYPES, SimAttention, SimUnavailable, build_kernels
+from tests.cuda_sim import bf16_bits as _bits
+from tests.cuda_sim import bf16_float as _float
+from tests.unit.cascade_batches import shared_prefix_batch
 from vt.kernels.attention_plan import attention_kernel
 from vt.kernels.cascade_plan import cascade_scratch
 from vt.kernels.numpy_fp8 import to_e4m3
@@ -41,14 +43,6 @@ def sim():
         return SimAttention(), build_kernels("attention.cu", _KERNELS)
     except SimUnavailable as e:
         pytest.skip(str(e))
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def _float(bits: np.ndarray) -> np.ndarray:
-    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -108,20 +102,9 @@ def _cascade_on_sim(sim, q, kc, vc, lens, table, shared: int, scale: float, sp: 
 
 
 def _case(rng, b: int, hq: int, hk: int, d: int, bs: int, shared: int, max_own: int):
-    own = rng.integers(1, max_own + 1, b)
-    need = [-(-int(n) // bs) for n in own]
-    nblk = shared + sum(need) + 2
-    pool = list(rng.permutation(nblk))
-    prefix = [pool.pop() for _ in range(shared)]
-    table = np.full((b, shared + max(need) + 1), 10**6, np.int32)  # padding no launch may read
-    for i, n in enumerate(need):
-        table[i, :shared] = prefix
-        table[i, shared: shared + n] = [pool.pop() for _ in range(n)]
-    lens = (shared * bs + own).astype(np.int32)
-    q = _bits(rng.standard_normal((b, hq, d)))
-    kc = _bits(rng.standard_normal((nblk, bs, hk, d)))
-    vc = _bits(rng.standard_normal((nblk, bs, hk, d)))
-    return q, kc, vc, lens, table
+    """shared_prefix_batch with q and the caches as bf16 bits."""
+    q, kc, vc, lens, table = shared_prefix_batch(rng, b, hq, hk, d, bs, shared, max_own)
+    return _bits(q), _bits(kc), _bits(vc), lens, table
 
 
 @pytest.mark.parametrize("b,hq,hk,d,shared,sp,ss,tiling", [

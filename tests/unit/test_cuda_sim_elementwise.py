@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from tests.cuda_sim import LAUNCH_ARGTYPES, SimUnavailable, build
+from tests.cuda_sim import bf16_bits as _bits
+from tests.cuda_sim import bf16_float as _float
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -33,14 +34,6 @@ def lib():
     lib.sim_write_kv_k.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_longlong,
                                              ctypes.c_float, ctypes.c_float, _I]
     return lib
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
-
-
-def _float(bits: np.ndarray) -> np.ndarray:
-    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:

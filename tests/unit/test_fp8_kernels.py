@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_sim import SimUnavailable, build_kernels
+from tests.cuda_sim import bf16_bits as _bits
 from vt.kernels import numpy_fp8 as f8
 
 _P, _I, _F, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
@@ -34,10 +35,6 @@ _KERNELS = {
 def _bf16(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to bf16, as float32 (what a bf16 tensor holds)."""
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 # ---- the numpy definition -----------------------------------------------------------------------

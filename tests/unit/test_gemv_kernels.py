@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_sim import SimUnavailable, build_kernels
+from tests.cuda_sim import bf16_bits as _bits
 from vt.kernels import numpy_fp8 as f8
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -36,10 +37,6 @@ def lib():
 
 def _bf16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def _launch(lib, kernel: str, tokens: int, n: int, *args) -> None:
