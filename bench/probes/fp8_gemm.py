@@ -372,8 +372,9 @@ VARIANTS = {  # name: (A = W scale mode, B = x scale mode, fast accumulation, al
 }
 
 
-def variants(lt: LtFp8, preset: str, rows_list: list[int]) -> list[dict]:
-    """Every variant, each of cuBLASLt's first 8 heuristic picks: the best time and its index."""
+def variants(lt: LtFp8, preset: str, rows_list: list[int], only: list[str] | None = None) -> list[dict]:
+    """Every variant (or those named in only), each of cuBLASLt's first 8 heuristic picks: the best
+    time and its index."""
     stream = cupy.cuda.Stream(non_blocking=True)
     out = []
     for name, (n, k) in SHAPES[preset].items():
@@ -386,6 +387,8 @@ def variants(lt: LtFp8, preset: str, rows_list: list[int]) -> list[dict]:
             d = cupy.empty((rows, n), dtype=cupy.uint16)
             row: dict = {"shape": name, "rows": rows}
             for vname, (am, bm, fast, avec) in VARIANTS.items():
+                if only and vname not in only:
+                    continue
                 best = None
                 for idx in range(8):
                     try:
@@ -414,6 +417,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,64,128,256,512,2048,8192")
     ap.add_argument("--json")
     ap.add_argument("--variants", action="store_true", help="time every scale variant and algorithm pick")
+    ap.add_argument("--only", default="", help="with --variants: these variants only (comma-separated)")
     args = ap.parse_args()
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     hbm = next((v for key, v in HBM.items() if key in name), 3.35e12)
@@ -421,7 +425,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     result = {"device": name, "checks": checks(lt, rng)}
     if args.variants:
-        result["variants"] = variants(lt, args.preset, [int(r) for r in args.rows.split(",")])
+        only = [v for v in args.only.split(",") if v]
+        result["variants"] = variants(lt, args.preset, [int(r) for r in args.rows.split(",")], only)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
