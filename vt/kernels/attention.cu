@@ -177,6 +177,38 @@ ATTENTION_ENTRY(attention_r1_kv8, 1, true)
 ATTENTION_ENTRY(attention_r2_kv8, 2, true)
 ATTENTION_ENTRY(attention_r4_kv8, 4, true)
 
+// Merge the split partials of one output row into out_row: split s's partial is row where(s) of
+// part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
+// share the row's d / 2 pairs.
+template <typename Where>
+__device__ __forceinline__ void merge_split_partials(const float* part_o, const float* part_ml, int num_splits,
+                                                     Where where, bf16_t* out_row, int d) {
+    float mmax = -VT_INF;
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[where(s) * 2]);
+    float denom = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+        const size_t pr = where(s);
+        const float ms = part_ml[pr * 2];
+        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    const int half = d / 2;
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float a = 0.f, c = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const size_t pr = where(s);
+            const float ms = part_ml[pr * 2];
+            if (ms > -VT_INF) {
+                const float wgt = exp2f(ms - mmax);
+                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
+                a += wgt * v.x;
+                c += wgt * v.y;
+            }
+        }
+        reinterpret_cast<unsigned int*>(out_row)[p] = pack2(a * inv, c * inv);
+    }
+}
+
 // Merge split partials of every (token, head) row: one block of 64 threads per row.
 // Rows no split wrote (padding tokens) are left alone by checking the coverage mask.
 extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -188,30 +220,8 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
     // rows of no sequence here: padding past the last one, or rows before the first (a launch
     // over a later part of the batch)
     if (t < query_start_loc[0] || t >= query_start_loc[num_seqs]) return;
-    float mmax = -VT_INF;
-    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[((size_t)s * total_tokens * hq + row) * 2]);
-    float denom = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-        const size_t pr = (size_t)s * total_tokens * hq + row;
-        const float ms = part_ml[pr * 2];
-        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
-    }
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    const int half = d / 2;
-    for (int p = threadIdx.x; p < half; p += blockDim.x) {
-        float a = 0.f, c = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const size_t pr = (size_t)s * total_tokens * hq + row;
-            const float ms = part_ml[pr * 2];
-            if (ms > -VT_INF) {
-                const float wgt = exp2f(ms - mmax);
-                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
-                a += wgt * v.x;
-                c += wgt * v.y;
-            }
-        }
-        reinterpret_cast<unsigned int*>(out + (size_t)row * d)[p] = pack2(a * inv, c * inv);
-    }
+    merge_split_partials(part_o, part_ml, num_splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
+                         out + (size_t)row * d, d);
 }
 
 // ---- cascade attention (cascade_plan.py): decodes sharing their first prefix_len keys ---------
@@ -256,29 +266,7 @@ extern "C" __global__ void attention_cascade_combine_k(const float* __restrict__
     const int b = row / hq, h = row % hq, group = hq / hk;
     const size_t rows = (size_t)num_seqs * hq;
     const size_t prow = ((size_t)(h / group) * num_seqs + b) * group + h % group;
-    const int splits = prefix_splits + suffix_splits;
-    float mmax = -VT_INF;
-    for (int s = 0; s < splits; ++s) mmax = fmaxf(mmax, part_ml[(s * rows + (s < prefix_splits ? prow : row)) * 2]);
-    float denom = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const size_t pr = s * rows + (s < prefix_splits ? prow : row);
-        const float ms = part_ml[pr * 2];
-        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
-    }
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    const int half = d / 2;
-    for (int p = threadIdx.x; p < half; p += blockDim.x) {
-        float a = 0.f, c = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const size_t pr = s * rows + (s < prefix_splits ? prow : row);
-            const float ms = part_ml[pr * 2];
-            if (ms > -VT_INF) {
-                const float wgt = exp2f(ms - mmax);
-                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
-                a += wgt * v.x;
-                c += wgt * v.y;
-            }
-        }
-        reinterpret_cast<unsigned int*>(out + (size_t)row * d)[p] = pack2(a * inv, c * inv);
-    }
+    merge_split_partials(part_o, part_ml, prefix_splits + suffix_splits,
+                         [&](int s) { return s * rows + (s < prefix_splits ? prow : row); },
+                         out + (size_t)row * d, d);
 }

@@ -88,10 +88,9 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
 # (bench/kernels/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
-# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64 and the default; wgs (wgr
-# in ping-pong) is faster still on every case timed (1.07-1.13x wgr) and becomes the default once
-# the GPU suites have run with it as the default (branch wgs-default). A GPU without sm_90 (or a
-# head dim they lack) runs r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory
+# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64, and wgs (wgr in ping-pong)
+# faster still on every case timed (1.07-1.13x wgr) and the default. A GPU without sm_90 (or a head
+# dim they lack) runs r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory
 # follows each entry's template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q
 # rows, buffers, V read directly; wgr_smem for wgr's and wgs's own body).
 PREFILL_TILINGS: dict[str, PrefillTiling] = {
@@ -114,7 +113,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr"),
 }
-DEFAULT_PREFILL_TILING = "wgr"
+DEFAULT_PREFILL_TILING = "wgs"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
 # another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
