@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.gpu.launches import record_launches
 from vt.kernels import numpy_sampling
 from vt.kernels.attention_plan import FALLBACK_PREFILL_TILING, KV8_SUFFIX, PREFILL_TILINGS
 from vt.kernels.numpy_fp8 import to_e4m3
@@ -1274,14 +1275,7 @@ def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_le
 
     batch, ref = _shared_case(shared_cases, make, "fp8", q_lens, ctx_lens, hq, hk, d)
     q, kc, vc, qsl, seq_lens, table = batch
-    launched: list[str] = []
-    launch = cb._launch
-
-    def recording_launch(name, *args, **kwargs):
-        launched.append(name)
-        launch(name, *args, **kwargs)
-
-    monkeypatch.setattr(cb, "_launch", recording_launch)
+    launched = record_launches(cb, monkeypatch)
     previous = cb.prefill_tiling
     try:
         cb.use_prefill_tiling(tiling, strict=False)
