@@ -144,6 +144,61 @@ def test_fp8_gemm_replays_in_a_graph(cb):
     np.testing.assert_array_equal(cb.to_host(out[0]), eager)
 
 
+@pytest.mark.parametrize(("rows", "limit"), [(17, 256), (64, 256), (256, 256), (257, 256), (64, 0)])
+def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_product(cb, rows, limit,
+                                                                                       monkeypatch):
+    """Per-channel weights and per-token activations, 17-256 rows (quantized.unit_scale_rows): the
+    per-tensor GEMM with unit scales, then add_scaled_rows_k; the same sum as the numpy twin's
+    scaled GEMM. Past 256 rows, or with the path turned off, the outer-vector GEMM accumulates."""
+    monkeypatch.setattr(cb, "fp8_per_tensor_rows", limit)
+    launched: list[str] = []
+    launch = cb._launch
+
+    def recording_launch(name, *args, **kwargs):
+        launched.append(name)
+        launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(cb, "_launch", recording_launch)
+    rng = np.random.default_rng(rows + limit)
+    n, k = 768, 2048
+    x = bf16(rng.standard_normal((rows, k)))
+    wq, ws = f8.quantize_weight_channel(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    ws = ws * np.arange(1, n + 1, dtype=np.float32) ** 0.5  # a channel read from the wrong place shows
+    weight = cb.upload_fp8(wq, ws)
+    xa = cb.quantize_fp8(cb.from_host(x, "act"), None)
+    xq, xs = f8.quantize(x, None)
+    residual = bf16(rng.standard_normal((rows, n)))
+    acc = cb.from_host(residual, "act")
+    with cb.slot(0):
+        cb.linear_fp8_residual(xa, weight, acc)
+    assert rel_err(cb.to_host(acc), residual + f8.scaled_gemm(xq, xs, wq, ws)) < GEMM_TOL
+    assert ("add_scaled_rows_k" in launched) == (rows <= limit)
+
+
+def test_unit_scale_residual_projection_replays_in_a_graph(cb):
+    rng = np.random.default_rng(4)
+    x = bf16(rng.standard_normal((64, 1024)))
+    w = rng.standard_normal((512, 1024)).astype(np.float32) * 0.02
+    weight = cb.upload_fp8(*f8.quantize_weight_channel(w))
+    xs = cb.from_host(x, "act")
+    start = bf16(rng.standard_normal((64, 512)))
+    acc = cb.from_host(start, "act")
+
+    def step():
+        cb.linear_fp8_residual(cb.quantize_fp8(xs, None), weight, acc)
+
+    graph = cb.capture(0, step)
+    eager = cb.from_host(start, "act")
+    with cb.slot(0):
+        cb.linear_fp8_residual(cb.quantize_fp8(xs, None), weight, eager)
+    import cupy
+
+    acc[...] = cb.from_host(start, "act")
+    cupy.cuda.Device().synchronize()  # the reset, on the default stream, before the replay
+    graph.replay()
+    np.testing.assert_array_equal(cb.to_host(acc), cb.to_host(eager))
+
+
 # ---- whole models ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

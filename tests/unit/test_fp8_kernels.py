@@ -29,6 +29,8 @@ _KERNELS = {
     "silu_mul_quant_k": ("const bf16_t* x, unsigned char* q, float* scale, int inter, int group, "
                          "int scale_ld",
                          "x, q, scale, inter, group, scale_ld", [_P, _P, _P, _I, _I, _I]),
+    "add_scaled_rows_k": ("bf16_t* r, const bf16_t* y, const float* xs, const float* ws, int n, "
+                          "long long chunks", "r, y, xs, ws, n, chunks", [_P, _P, _P, _P, _I, _LL]),
 }
 
 
@@ -181,3 +183,25 @@ def test_silu_mul_quant_kernel_matches_numpy(lib, rows, inter, group):
     want_q, want_s = f8.silu_mul_quantize(x, group)
     np.testing.assert_allclose(_scales(scale, rows, groups, group), want_s, rtol=1e-5)
     _codes_agree(q, want_q)
+
+
+# The unit-scale fp8 GEMM's epilogue (fp8.py, quantized.unit_scale_rows): each value of the product y
+# times its token's and its channel's scale, added to the residual row by one fused multiply-add and
+# rounded once to bf16. The reference does the multiply-add in float64 (exact for the product of two
+# floats) and rounds to float32, then bf16.
+@pytest.mark.parametrize(("rows", "n"), [(1, 8), (17, 4096), (3, 200)])
+def test_add_scaled_rows_kernel_applies_both_scales_after_the_product(lib, rows, n):
+    rng = np.random.default_rng(rows * n)
+    r = _bf16(rng.standard_normal((rows, n)) * 3)
+    y = _bf16(rng.standard_normal((rows, n)) * 2000)  # a product of e4m3 codes: hundreds to thousands
+    xs = rng.uniform(1e-3, 1e-1, rows).astype(np.float32)
+    ws = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+    rb, yb = _bits(r), _bits(y)
+    chunks = rows * n // 8
+    rc = lib.sim_add_scaled_rows_k(-(-chunks // 256), 1, 1, 256, 0, rb.ctypes.data, yb.ctypes.data,
+                                   xs.ctypes.data, ws.ctypes.data, n, chunks)
+    assert rc == 0
+    scale = (xs[:, None] * ws[None, :]).astype(np.float32)  # float32 product, as the kernel's
+    want = _bf16((y.astype(np.float64) * scale.astype(np.float64) + r.astype(np.float64)).astype(np.float32))
+    got = rb.view(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)

@@ -27,7 +27,7 @@ from vt.llm import LLM
 from vt.model.make_model import make_model
 from vt.runner.memory_plan import StartupMemoryError, plan_step_memory, step_arena_bytes
 from vt.runner.runner import ModelRunner
-from vt.sampling_params import SamplingParams
+from vt.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,24 @@ def test_each_rank_takes_exactly_its_planned_arena(checkpoint: Path, size: int) 
     ops.ranks[-1].ensure_workspace(ops.ranks[-1].arena_high(0) - 1)
     with pytest.raises(ArenaExhausted, match="memory plan"):
         runner.profile_run()
+
+
+def test_fp8_plan_covers_the_decode_sized_steps_that_hold_a_product_beside_the_stream() -> None:
+    """With fp8 channel weights, steps of 17-256 rows run o_proj and down with unit scales into a
+    product of their own (quantized.unit_scale_rows): a 256-row step then needs more arena than a
+    257-row one, and the plan of a larger largest step still covers it."""
+    from vt.model.quantization import ONLINE, Fp8Format
+
+    mc = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
+                                "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                "max_position_embeddings": 40960})
+    small = step_arena_bytes(mc, 256, 256, MAX_LOGPROBS, fp8=ONLINE)
+    assert small > step_arena_bytes(mc, 257, 256, MAX_LOGPROBS, fp8=ONLINE)
+    assert plan_step_memory(mc, 257, 256, fp8=ONLINE).arena_bytes == small
+    assert plan_step_memory(mc, 8192, 256, fp8=ONLINE).arena_bytes == step_arena_bytes(
+        mc, 8192, 256, MAX_LOGPROBS, fp8=ONLINE)
+    # block scales (Qwen3's FP8 checkpoints) keep the block-scaled GEMM, which accumulates in place
+    block = Fp8Format(online=False, block=True, scale_name="weight_scale_inv")
+    assert step_arena_bytes(mc, 256, 256, MAX_LOGPROBS, fp8=block) < step_arena_bytes(
+        mc, 257, 256, MAX_LOGPROBS, fp8=block)

@@ -12,6 +12,10 @@ column-major product y^T[n, rows] = op_T(w) op_N(x^T), so w is its A and x its B
   (BLK128x128_32F / VEC128_32F; fast accumulation is not offered there). Both strides were found
   on an H100 (2026-12-06): cuBLASLt reads every scale row 16-byte aligned and says so nowhere.
 Mixed modes (a per-tensor weight with per-token activations) have no cuBLASLt kernel on Hopper.
+- unit scales (per_tensor): one fp32 scale each (SCALAR_32F, pointing at a device 1.0), fast
+  accumulation: the plain product of the codes, whose per-token and per-channel scales the caller
+  applies afterwards. At 64-256 rows these kernels run the 8B decode projections 1.03-1.5x faster
+  than the outer-vector ones (o_proj and down most; bench/RESULTS.md, H100, 2026-12-06).
 
 Plans (descriptors and the heuristic's algorithm) are made once per shape and kept; the scale
 pointers are set on the descriptor at every call, as they change with the layer and the slot.
@@ -32,7 +36,7 @@ _DESC_SM_COUNT_TARGET = 15
 _DESC_FAST_ACCUM = 25
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _PREF_MAX_WORKSPACE_BYTES = 1
-_SCALE_OUTER_VEC, _SCALE_VEC128, _SCALE_BLK128 = 3, 4, 5
+_SCALE_SCALAR, _SCALE_OUTER_VEC, _SCALE_VEC128, _SCALE_BLK128 = 0, 3, 4, 5
 _VP = ctypes.c_void_p
 
 
@@ -88,7 +92,7 @@ class CublasLtFp8:
         lib.cublasLtMatmul.argtypes = [_VP] * 12 + [ctypes.POINTER(Algo), _VP, ctypes.c_size_t, _VP]
         self._handle = _VP()
         self._check(lib.cublasLtCreate(ctypes.byref(self._handle)), "cublasLtCreate")
-        self._plans: dict[tuple[int, int, int, bool, int], _Plan] = {}
+        self._plans: dict[tuple[int, int, int, bool, int, int, bool], _Plan] = {}
         self._one = ctypes.c_float(1.0)
         self._beta = (ctypes.c_float(0.0), ctypes.c_float(1.0))
 
@@ -103,11 +107,12 @@ class CublasLtFp8:
                     f"cublasLtMatmulDescSetAttribute({attr})")
 
     def _plan(self, rows: int, n: int, k: int, block: bool, workspace_bytes: int, w_scale_ptr: int,
-              x_scale_ptr: int, sm_target: int) -> _Plan:
+              x_scale_ptr: int, sm_target: int, per_tensor: bool = False) -> _Plan:
         """The shape's plan, made on its first call (the heuristic wants the scale pointers set:
         without them it refuses the scaled modes). sm_target > 0 asks for a kernel sized to that
-        many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), so work on another stream keeps the rest."""
-        key = (rows, n, k, block, workspace_bytes, sm_target)
+        many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), so work on another stream keeps the rest.
+        per_tensor: one scale each operand (the module docstring's unit scales)."""
+        key = (rows, n, k, block, workspace_bytes, sm_target, per_tensor)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -116,10 +121,11 @@ class CublasLtFp8:
         self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
         self._set(desc, _DESC_TRANSA, ctypes.c_int32(1))
         self._set(desc, _DESC_TRANSB, ctypes.c_int32(0))
-        a_mode, b_mode = (_SCALE_BLK128, _SCALE_VEC128) if block else (_SCALE_OUTER_VEC, _SCALE_OUTER_VEC)
+        a_mode, b_mode = ((_SCALE_SCALAR, _SCALE_SCALAR) if per_tensor else (_SCALE_BLK128, _SCALE_VEC128)
+                          if block else (_SCALE_OUTER_VEC, _SCALE_OUTER_VEC))
         self._set(desc, _DESC_A_SCALE_MODE, ctypes.c_int32(a_mode))
         self._set(desc, _DESC_B_SCALE_MODE, ctypes.c_int32(b_mode))
-        if not block:
+        if per_tensor or not block:
             self._set(desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
         self._set(desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
         self._set(desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
@@ -151,11 +157,12 @@ class CublasLtFp8:
 
     def linear(self, stream_ptr: int, x_ptr: int, x_scale_ptr: int, w_ptr: int, w_scale_ptr: int, y_ptr: int,
                rows: int, n: int, k: int, block: bool, accumulate: bool, workspace_ptr: int,
-               workspace_bytes: int, sm_target: int = 0) -> None:
+               workspace_bytes: int, sm_target: int = 0, per_tensor: bool = False) -> None:
         """Row-major y[rows, n] = x @ w^T (+ y with accumulate), x e4m3[rows, k] with its scales,
         w e4m3[n, k] with its scales (the module docstring gives both layouts), y bf16; on about
-        sm_target SMs when it is positive (the slot's cuBLAS target, for split steps)."""
-        plan = self._plan(rows, n, k, block, workspace_bytes, w_scale_ptr, x_scale_ptr, sm_target)
+        sm_target SMs when it is positive (the slot's cuBLAS target, for split steps). per_tensor:
+        the scale pointers each point at one fp32 scale."""
+        plan = self._plan(rows, n, k, block, workspace_bytes, w_scale_ptr, x_scale_ptr, sm_target, per_tensor)
         self._set(plan.desc, _DESC_A_SCALE_POINTER, _VP(w_scale_ptr))
         self._set(plan.desc, _DESC_B_SCALE_POINTER, _VP(x_scale_ptr))
         a, b, c, d = plan.layouts

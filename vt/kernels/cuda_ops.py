@@ -9,7 +9,7 @@ from __future__ import annotations
 from vt.kernels import attention, elementwise, fp8, gemm, sampling
 from vt.kernels.attention import AttentionOps, requested_prefill_tiling
 from vt.kernels.elementwise import ElementwiseOps
-from vt.kernels.fp8 import Fp8Ops
+from vt.kernels.fp8 import Fp8Ops, requested_fp8_per_tensor_rows
 from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens
 from vt.kernels.sampling import SamplingOps
 
@@ -17,13 +17,15 @@ from vt.kernels.sampling import SamplingOps
 class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     """base.Backend on one GPU; prefill_tiling (or VT_PREFILL_TILING) picks the prompt attention
     tiling (attention_plan.PREFILL_TILINGS); gemv_max_tokens (or VT_GEMV_MAX_TOKENS) the largest
-    step whose projections run on gemv.cu."""
+    step whose projections run on gemv.cu; fp8_per_tensor_rows (or VT_FP8_PER_TENSOR_ROWS) the
+    largest whose fp8 residual projections take unit-scale GEMMs (fp8.FP8_PER_TENSOR_MAX_ROWS)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None,
-                 gemv_max_tokens: int | None = None) -> None:
+                 gemv_max_tokens: int | None = None, fp8_per_tensor_rows: int | None = None) -> None:
         requested = requested_prefill_tiling(prefill_tiling)
         self.gemv_max_tokens = requested_gemv_max_tokens(gemv_max_tokens)
+        self.fp8_per_tensor_rows = requested_fp8_per_tensor_rows(fp8_per_tensor_rows)
         kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **gemm.KERNELS,
                    **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)

@@ -173,3 +173,21 @@ extern "C" __global__ void add_rows_k(bf16_t* __restrict__ y, const bf16_t* __re
     for (int e = 0; e < 8; ++e) a[e] += b[e];
     store8(y + c * 8, a);
 }
+
+// r[t, :n] += y[t, :n] * (x_scale[t] * w_scale[:n]), one fused multiply-add a value, rounded once to
+// bf16: the product of a unit-scale (per-tensor) fp8 GEMM, y, given its per-token and per-channel
+// scales after the fact and added to the residual stream. Chunks of 8 values, n a multiple of 8.
+extern "C" __global__ void add_scaled_rows_k(bf16_t* __restrict__ r, const bf16_t* __restrict__ y,
+                                             const float* __restrict__ x_scale, const float* __restrict__ w_scale,
+                                             int n, long long chunks) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= chunks) return;
+    const long long i = c * 8;
+    const int t = (int)(i / n), col = (int)(i % n);
+    float a[8], b[8];
+    load8(r + i, a);
+    load8(y + i, b);
+    const float xs = x_scale[t];
+    for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * w_scale[col + e], a[e]);
+    store8(r + i, a);
+}

@@ -9,26 +9,45 @@ and 128 columns group-major, f32 [G, T] (cuBLASLt's VEC128 layout for the B oper
 
 from __future__ import annotations
 
+import os
+
 import cupy
 import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows
 from vt.kernels.gemm import launch_gemv
-from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
+from vt.kernels.quantized import UNIT_SCALE_MAX_ROWS, Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
 
-KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k")}
+KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k",
+                      "add_scaled_rows_k")}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
+def requested_fp8_per_tensor_rows(value: int | None) -> int:
+    """The most rows whose residual projections take the unit-scale path (quantized.unit_scale_rows;
+    0: never): the argument, or for benchmarks that start vt as a server VT_FP8_PER_TENSOR_ROWS,
+    else UNIT_SCALE_MAX_ROWS. It may only lower that bound, which the memory plan counts."""
+    if value is None:
+        text = os.environ.get("VT_FP8_PER_TENSOR_ROWS", "") or str(UNIT_SCALE_MAX_ROWS)
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"VT_FP8_PER_TENSOR_ROWS must be an integer, got {text!r}") from None
+    if not 0 <= value <= UNIT_SCALE_MAX_ROWS:
+        raise ValueError(f"VT_FP8_PER_TENSOR_ROWS: 0 to {UNIT_SCALE_MAX_ROWS} rows, got {value}")
+    return value
 
 
 class Fp8Ops(CudaCore):
     _fp8_gemm: CublasLtFp8 | None = None
+    _unit_scale: cupy.ndarray | None = None  # f32[1] = 1.0: both scales of a unit-scale GEMM
+    fp8_per_tensor_rows: int = UNIT_SCALE_MAX_ROWS
 
     def _lt(self) -> CublasLtFp8:
         # Made at the first fp8 weight (setup, outside any capture): bf16 models never load it.
         if self._fp8_gemm is None:
             self._fp8_gemm = CublasLtFp8()
+            self._unit_scale = self._settled(cupy.ones((1,), dtype=np.float32))
         return self._fp8_gemm
 
     @staticmethod
@@ -128,6 +147,9 @@ class Fp8Ops(CudaCore):
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
+        if self._unit_scales_fit(x, w):
+            self._residual_unit_scales(x, w, residual)
+            return
         if x.q.shape[0] == t or self._gemv_fits(x, x.q.shape[1]):  # the GEMV runs the real rows only
             self._fp8_gemm_into(x, w, residual, accumulate=True)
             return
@@ -153,6 +175,26 @@ class Fp8Ops(CudaCore):
         self._lt().linear(cupy.cuda.get_current_stream().ptr, x.q.data.ptr, x.scale.data.ptr, w.q.data.ptr,
                           w.scale.data.ptr, y.data.ptr, t, n, k, w.block, accumulate, gemm.workspace_ptr,
                           gemm.workspace_bytes, sm_target=gemm.sm_count_target)
+
+    def _unit_scales_fit(self, x: Fp8Activation, w: Fp8Weight) -> bool:
+        """quantized.unit_scale_rows' residual projections (per-token activations, per-channel
+        weights), up to fp8_per_tensor_rows rows."""
+        return (unit_scale_rows(x.rows, x.group) and x.rows <= self.fp8_per_tensor_rows and not w.block
+                and x.q.shape[0] == x.rows and w.q.shape[1] == x.q.shape[1] and w.q.shape[0] % 8 == 0)
+
+    def _residual_unit_scales(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
+        """residual += x @ w^T with both scales applied after the product (add_scaled_rows_k)."""
+        t, k = x.q.shape
+        n = w.q.shape[0]
+        y = self._out((t, n), np.uint16)
+        gemm, lt = self._current_gemm(), self._lt()
+        unit = self._unit_scale.data.ptr
+        stream = cupy.cuda.get_current_stream().ptr
+        lt.linear(stream, x.q.data.ptr, unit, w.q.data.ptr, unit, y.data.ptr, t, n, k, False, False,
+                  gemm.workspace_ptr, gemm.workspace_bytes, sm_target=gemm.sm_count_target, per_tensor=True)
+        chunks = t * n // 8
+        self._launch("add_scaled_rows_k", (-(-chunks // 256),), (256,),
+                     (residual, y, x.scale, w.scale, _i32(n), np.int64(chunks)))
 
     def _gemv_fits(self, x: Fp8Activation, k: int) -> bool:
         """gemv.cu takes up to gemv_max_tokens (<= 16) tokens over whole 64-column chunks (128 with

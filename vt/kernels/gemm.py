@@ -11,12 +11,13 @@ import numpy as np
 
 from vt.kernels.cublas_capture import CublasGemm
 from vt.kernels.cuda_core import CudaCore, check_rows
+from vt.kernels.quantized import GEMV_TOKENS
 
 KERNELS = {"gemv.cu": ("gemv_bf16_8_k", "gemv_bf16_16_k", "gemv_fp8_8_k", "gemv_fp8_16_k")}
 # Weights with N >= this * K are stored column-major (gemm_layout).
 COLUMN_MAJOR_MIN_ASPECT = 4
 # gemv.cu: a block's weight rows and threads, and the most tokens it takes (two tiles of 8).
-GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, 16
+GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, GEMV_TOKENS
 # Steps of up to this many tokens take the GEMV by default. Measured on an H100 (bench/probes/gemv.py,
 # 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; at 9-16 (the
 # two-tile kernel) it wins on o_proj and down and loses on fp8 qkv and gate_up, about even a layer.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows
+from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)
@@ -172,7 +172,8 @@ class NumpyFp8Ops:
         return y if bias is None else y + bias
 
     def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray) -> None:
-        if gemm_rows(x.rows, x.group) != x.rows:  # CUDA's padded GEMM lands in a buffer first
+        # CUDA's padded GEMM, and its unit-scale one, land in a buffer first
+        if gemm_rows(x.rows, x.group) != x.rows or unit_scale_rows(x.rows, x.group):
             self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         if residual.shape != (x.q.shape[0], w.q.shape[0]):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "

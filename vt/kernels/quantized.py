@@ -45,3 +45,19 @@ def gemm_rows(rows: int, group: int | None) -> int:
     (measured on an H100: 1, 2, 3, 7 and 33 rows are refused, 4, 8, 16 and 256 run); the CUDA
     backend pads to it (the pad rows' outputs are dropped)."""
     return rows if group is None else -(-rows // 4) * 4
+
+
+# The decode GEMV's most tokens (gemv.cu; vt.kernels.gemm.GEMV_TOKENS_LIMIT) and the most rows whose
+# residual projections (o_proj, down) run cuBLASLt's per-tensor fp8 kernel with unit scales, the
+# per-token and per-channel scales applied afterwards as the product is added to the residual
+# stream (vt.kernels.fp8). Measured on an H100 (bench/probes/fp8_gemm.py --variants, 8B shapes,
+# 2026-12-06), us per GEMM, per-tensor / outer-vector: o_proj 8.8 / 13.5 and down 21.7 / 32.8 at 64
+# rows, 10.1 / 13.5 and 25.8 / 33.5 at 256; qkv and gate_up gain less than the extra pass would cost.
+GEMV_TOKENS = 16
+UNIT_SCALE_MAX_ROWS = 256
+
+
+def unit_scale_rows(rows: int, group: int | None) -> bool:
+    """Whether a residual projection of `rows` per-token-scaled rows runs with unit scales and
+    lands in a product buffer of its own (so the memory plan and the numpy ledger count one)."""
+    return group is None and GEMV_TOKENS < rows <= UNIT_SCALE_MAX_ROWS

@@ -17,7 +17,8 @@ Split over a tensor-parallel group, each rank has its own arena and scratch, and
 rank's: the residual stream in full, its own heads and MLP columns, its vocabulary rows' logits
 and the gathered full logits (vt.kernels.rank_group).
 
-Every term is monotone in tokens, sequences and logprobs, so the step of
+Every term is monotone in tokens, sequences and logprobs (but one: with fp8 weights, steps of up to
+quantized.UNIT_SCALE_MAX_ROWS rows hold an extra product, so that step is planned too), so the step of
 max(max_num_batched_tokens, max_num_seqs) tokens over max_num_seqs sequences, each sampled with
 MAX_LOGPROBS top logprobs, bounds every step: a step never has more tokens (the scheduler's
 budget; chunked or not, a prompt longer than the budget is refused at admission), more sequences,
@@ -37,7 +38,7 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import MAX_KEY_SPLITS, attention_partial_bytes
 from vt.kernels.base import Backend, prologue_fused
-from vt.kernels.quantized import gemm_rows
+from vt.kernels.quantized import UNIT_SCALE_MAX_ROWS, gemm_rows, unit_scale_rows
 from vt.model.quantization import Fp8Format
 from vt.model.shard import TensorSplit
 from vt.model.transformer import Transformer
@@ -74,13 +75,14 @@ def _fp8_layer_sizes(tokens: int, h: int, inter: int, hq: int, hk: int, d: int, 
                      group: int | None) -> list[int]:
     """One fp8 layer's arena outputs, in order: each projection's quantized input (codes and scales,
     rows padded as quantized.gemm_rows pads them), its output, and for the projections that add
-    into the residual stream a padded product beside it where the rows were padded."""
+    into the residual stream a product beside it where the rows were padded or the GEMM runs with
+    unit scales (quantized.unit_scale_rows)."""
     rows = gemm_rows(tokens, group)
 
     def quantized(k: int) -> list[int]:
         return [rows * k, rows * (1 if group is None else k // group) * 4]
 
-    beside = [rows * h * ACT_BYTES] if rows != tokens else []
+    beside = [rows * h * ACT_BYTES] if rows != tokens or unit_scale_rows(tokens, group) else []
     sizes = quantized(h) + [rows * (hq + 2 * hk) * d * ACT_BYTES]      # input norm, qkv
     if qk_norm and not prologue_fused(d, True, True):
         sizes += [tokens * hq * d * ACT_BYTES, tokens * hk * d * ACT_BYTES]  # head norms
@@ -137,10 +139,14 @@ def plan_step_memory(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs:
     heads = TensorSplit.of(mc, tensor_parallel_size).heads
     partials = min(ATTENTION_PARTIALS_MAX,
                    attention_partial_bytes(MAX_KEY_SPLITS, tokens, heads, mc.head_dim))
-    return StepMemory(tokens=tokens, seqs=seqs,
-                      arena_bytes=step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size, fp8,
-                                                   pooling),
-                      attention_partials_bytes=partials)
+    arena = step_arena_bytes(mc, tokens, seqs, MAX_LOGPROBS, tensor_parallel_size, fp8, pooling)
+    if fp8 is not None and tokens > UNIT_SCALE_MAX_ROWS:
+        # the one term that is not monotone: steps of up to UNIT_SCALE_MAX_ROWS rows hold a
+        # residual projection's product beside the stream, which larger steps do not
+        small = UNIT_SCALE_MAX_ROWS
+        arena = max(arena, step_arena_bytes(mc, small, min(seqs, small), MAX_LOGPROBS, tensor_parallel_size,
+                                            fp8, pooling))
+    return StepMemory(tokens=tokens, seqs=seqs, arena_bytes=arena, attention_partials_bytes=partials)
 
 
 def reserve_step_memory(ops: Backend, cfg: EngineConfig, plan: StepMemory) -> None:
