@@ -18,7 +18,7 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     """base.Backend on one GPU; prefill_tiling (or VT_PREFILL_TILING) picks the prompt attention
     tiling (attention_plan.PREFILL_TILINGS); gemv_max_tokens (or VT_GEMV_MAX_TOKENS) the largest
     step whose projections run on gemv.cu; fp8_per_tensor_rows (or VT_FP8_PER_TENSOR_ROWS) the
-    largest whose fp8 residual projections take unit-scale GEMMs (fp8.FP8_PER_TENSOR_MAX_ROWS)."""
+    largest whose fp8 residual projections take unit-scale GEMMs (quantized.unit_scale_rows)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None,

@@ -23,6 +23,8 @@ KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k",
                       "add_scaled_rows_k")}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
+
+
 def requested_fp8_per_tensor_rows(value: int | None) -> int:
     """The most rows whose residual projections take the unit-scale path (quantized.unit_scale_rows;
     0: never): the argument, or for benchmarks that start vt as a server VT_FP8_PER_TENSOR_ROWS,
@@ -147,7 +149,7 @@ class Fp8Ops(CudaCore):
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
-        if self._unit_scales_fit(x, w):
+        if self._unit_scales_fit(x, w) and residual.flags.c_contiguous:
             self._residual_unit_scales(x, w, residual)
             return
         if x.q.shape[0] == t or self._gemv_fits(x, x.q.shape[1]):  # the GEMV runs the real rows only
