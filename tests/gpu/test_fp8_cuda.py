@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.gpu.launches import record_launches
 from vt.kernels import numpy_fp8 as f8
 from vt.kernels.quantized import Fp8Activation
 
@@ -126,20 +127,29 @@ def test_the_fp8_gemm_held_to_part_of_the_sms_gives_the_same_product(cb):
     assert rel_err(held, free) < GEMM_TOL
 
 
-def test_fp8_gemm_replays_in_a_graph(cb):
+@pytest.mark.parametrize("residual", [False, True], ids=["linear", "residual-unit-scales"])
+def test_fp8_gemm_replays_in_a_graph(cb, residual):
+    """A captured fp8 GEMM replays to the eager bits: linear_fp8, and linear_fp8_residual at 64
+    rows (the unit-scale GEMM and add_scaled_rows_k)."""
     rng = np.random.default_rng(3)
     x = bf16(rng.standard_normal((64, 1024)))
     w = rng.standard_normal((512, 1024)).astype(np.float32) * 0.02
     weight = cb.upload_fp8(*f8.quantize_weight_channel(w))
     xs = cb.from_host(x, "act")
+    start = bf16(rng.standard_normal((64, 512)))
+    acc, eager_acc = cb.from_host(start, "act"), cb.from_host(start, "act")  # capture runs nothing
     out = []
 
-    def step():
-        out.append(cb.linear_fp8(cb.quantize_fp8(xs, None), weight, None))
+    def project(into):
+        a = cb.quantize_fp8(xs, None)
+        if residual:
+            cb.linear_fp8_residual(a, weight, into)
+            return into
+        return cb.linear_fp8(a, weight, None)
 
-    graph = cb.capture(0, step)
+    graph = cb.capture(0, lambda: out.append(project(acc)))
     with cb.slot(0):
-        eager = cb.to_host(cb.linear_fp8(cb.quantize_fp8(xs, None), weight, None))
+        eager = cb.to_host(project(eager_acc))
     graph.replay()
     np.testing.assert_array_equal(cb.to_host(out[0]), eager)
 
@@ -151,14 +161,7 @@ def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_p
     per-tensor GEMM with unit scales, then add_scaled_rows_k; the same sum as the numpy twin's
     scaled GEMM. Past 256 rows, or with the path turned off, the outer-vector GEMM accumulates."""
     monkeypatch.setattr(cb, "fp8_per_tensor_rows", limit)
-    launched: list[str] = []
-    launch = cb._launch
-
-    def recording_launch(name, *args, **kwargs):
-        launched.append(name)
-        launch(name, *args, **kwargs)
-
-    monkeypatch.setattr(cb, "_launch", recording_launch)
+    launched = record_launches(cb, monkeypatch)
     rng = np.random.default_rng(rows + limit)
     n, k = 768, 2048
     x = bf16(rng.standard_normal((rows, k)))
@@ -173,30 +176,6 @@ def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_p
         cb.linear_fp8_residual(xa, weight, acc)
     assert rel_err(cb.to_host(acc), residual + f8.scaled_gemm(xq, xs, wq, ws)) < GEMM_TOL
     assert ("add_scaled_rows_k" in launched) == (rows <= limit)
-
-
-def test_unit_scale_residual_projection_replays_in_a_graph(cb):
-    rng = np.random.default_rng(4)
-    x = bf16(rng.standard_normal((64, 1024)))
-    w = rng.standard_normal((512, 1024)).astype(np.float32) * 0.02
-    weight = cb.upload_fp8(*f8.quantize_weight_channel(w))
-    xs = cb.from_host(x, "act")
-    start = bf16(rng.standard_normal((64, 512)))
-    acc = cb.from_host(start, "act")
-
-    def step():
-        cb.linear_fp8_residual(cb.quantize_fp8(xs, None), weight, acc)
-
-    graph = cb.capture(0, step)
-    eager = cb.from_host(start, "act")
-    with cb.slot(0):
-        cb.linear_fp8_residual(cb.quantize_fp8(xs, None), weight, eager)
-    import cupy
-
-    acc[...] = cb.from_host(start, "act")
-    cupy.cuda.Device().synchronize()  # the reset, on the default stream, before the replay
-    graph.replay()
-    np.testing.assert_array_equal(cb.to_host(acc), cb.to_host(eager))
 
 
 # ---- whole models ------------------------------------------------------------------------------

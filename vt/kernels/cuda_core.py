@@ -14,6 +14,7 @@ cuda_ops.CudaBackend is all of them together.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,6 +31,20 @@ from vt.kernels.sources import KERNEL_FILES, translation_unit
 
 _DTYPES = {"act": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
            "fp8": np.uint8}  # fp8: e4m3 codes as their bytes (an fp8 KV cache)
+
+
+def requested_count(value: int | None, env: str, default: int, limit: int) -> int:
+    """A backend knob of 0..limit: the argument, or for benchmarks that start vt as a server the
+    environment variable `env`, else `default`; ValueError naming `env` otherwise."""
+    if value is None:
+        text = os.environ.get(env, "") or str(default)
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{env} must be an integer, got {text!r}") from None
+    if not 0 <= value <= limit:
+        raise ValueError(f"{env} must be 0 to {limit}, got {value}")
+    return value
 
 
 def bf16_bits(host: np.ndarray) -> np.ndarray:

@@ -9,13 +9,11 @@ and 128 columns group-major, f32 [G, T] (cuBLASLt's VEC128 layout for the B oper
 
 from __future__ import annotations
 
-import os
-
 import cupy
 import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
-from vt.kernels.cuda_core import CudaCore, check_rows
+from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
 from vt.kernels.gemm import launch_gemv
 from vt.kernels.quantized import UNIT_SCALE_MAX_ROWS, Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
 
@@ -29,15 +27,7 @@ def requested_fp8_per_tensor_rows(value: int | None) -> int:
     """The most rows whose residual projections take the unit-scale path (quantized.unit_scale_rows;
     0: never): the argument, or for benchmarks that start vt as a server VT_FP8_PER_TENSOR_ROWS,
     else UNIT_SCALE_MAX_ROWS. It may only lower that bound, which the memory plan counts."""
-    if value is None:
-        text = os.environ.get("VT_FP8_PER_TENSOR_ROWS", "") or str(UNIT_SCALE_MAX_ROWS)
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"VT_FP8_PER_TENSOR_ROWS must be an integer, got {text!r}") from None
-    if not 0 <= value <= UNIT_SCALE_MAX_ROWS:
-        raise ValueError(f"VT_FP8_PER_TENSOR_ROWS: 0 to {UNIT_SCALE_MAX_ROWS} rows, got {value}")
-    return value
+    return requested_count(value, "VT_FP8_PER_TENSOR_ROWS", UNIT_SCALE_MAX_ROWS, UNIT_SCALE_MAX_ROWS)
 
 
 class Fp8Ops(CudaCore):

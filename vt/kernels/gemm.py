@@ -4,13 +4,11 @@ decode GEMVs (gemv.cu) that take the projections of steps of up to 16 tokens."""
 
 from __future__ import annotations
 
-import os
-
 import cupy
 import numpy as np
 
 from vt.kernels.cublas_capture import CublasGemm
-from vt.kernels.cuda_core import CudaCore, check_rows
+from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
 from vt.kernels.quantized import GEMV_TOKENS
 
 KERNELS = {"gemv.cu": ("gemv_bf16_8_k", "gemv_bf16_16_k", "gemv_fp8_8_k", "gemv_fp8_16_k")}
@@ -28,15 +26,7 @@ _i32 = np.int32
 def requested_gemv_max_tokens(value: int | None) -> int:
     """Steps of up to this many tokens run their projections on gemv.cu (0: never): the argument,
     or for benchmarks that start vt as a server VT_GEMV_MAX_TOKENS, else GEMV_MAX_TOKENS."""
-    if value is None:
-        text = os.environ.get("VT_GEMV_MAX_TOKENS", "") or str(GEMV_MAX_TOKENS)
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"VT_GEMV_MAX_TOKENS must be an integer, got {text!r}") from None
-    if not 0 <= value <= GEMV_TOKENS_LIMIT:
-        raise ValueError(f"VT_GEMV_MAX_TOKENS: the GEMV takes 0 to {GEMV_TOKENS_LIMIT} tokens, got {value}")
-    return value
+    return requested_count(value, "VT_GEMV_MAX_TOKENS", GEMV_MAX_TOKENS, GEMV_TOKENS_LIMIT)
 
 
 def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple) -> None:
