@@ -256,3 +256,24 @@ def test_folded_norms_equal_norm_then_projection():
         ops.linear_residual(x, w_o, acc[:, :8])
     with pytest.raises(ValueError, match="fold_norm_weight"):
         ops.fold_norm_weight(folded, norm[:8])
+
+
+def test_a_row_alone_gets_the_products_it_gets_in_a_batch():
+    """A token decoded alone and the same token in a prompt step must see the same products (the
+    CPU tests' same-tokens-after-preemption promise): linear, the residual projection, logits and
+    the fp8 scaled GEMM give row 0 bit for bit the same alone as among 9 rows."""
+    from vt.kernels import numpy_fp8
+
+    r = np.random.default_rng(5)
+    x = r.standard_normal((9, 1024)).astype(np.float32)
+    w = r.standard_normal((768, 1024)).astype(np.float32)
+    assert (ops.linear(x[:1], w, None) == ops.linear(x, w, None)[:1]).all()
+    assert (ops.logits(x[:1], w) == ops.logits(x, w)[:1]).all()
+    res_one, res_all = np.ones((1, 768), np.float32), np.ones((9, 768), np.float32)
+    ops.linear_residual(x[:1], w, res_one)
+    ops.linear_residual(x, w, res_all)
+    assert (res_one == res_all[:1]).all()
+    wq, ws = numpy_fp8.quantize_weight_channel(w)
+    xq, xs = numpy_fp8.quantize(x)
+    one = numpy_fp8.scaled_gemm(xq[:1], xs[:1], wq, ws)
+    assert (one == numpy_fp8.scaled_gemm(xq, xs, wq, ws)[:1]).all()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from vt.kernels.numpy_matmul import matmul_rows
 from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -107,7 +108,7 @@ def scaled_gemm(xq: np.ndarray, x_scale: np.ndarray, wq: np.ndarray, w_scale: np
     if x_scale.shape != (xq.shape[0], num_groups(xq.shape[1], group)):
         raise ValueError(f"scaled_gemm: activation scales {x_scale.shape} do not match the weight's "
                          f"{'block' if group else 'channel'} scales")
-    return dequantize(xq, x_scale, group) @ dequantize_weight(wq, w_scale).T
+    return matmul_rows(dequantize(xq, x_scale, group), dequantize_weight(wq, w_scale).T)
 
 
 def rms_norm_quantize(x: np.ndarray, weight: np.ndarray, eps: float,

@@ -17,6 +17,7 @@ import numpy as np
 from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, to_e4m3
+from vt.kernels.numpy_matmul import matmul_rows
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
            "fp8": E4M3}
@@ -105,13 +106,13 @@ class NumpyBackend(NumpyFp8Ops):
 
     def linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         self._took((x.shape[0], w.shape[0]), "act")
-        y = x @ w.T
+        y = matmul_rows(x, w.T)
         return y if bias is None else y + bias
 
     def linear_residual(self, x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> None:
         if residual.shape != (x.shape[0], w.shape[0]):
             raise ValueError(f"linear_residual: residual {residual.shape} is not {(x.shape[0], w.shape[0])}")
-        residual += x @ w.T
+        residual += matmul_rows(x, w.T)
 
     def gemm_layout(self, w: np.ndarray) -> np.ndarray:
         return w
@@ -231,7 +232,7 @@ class NumpyBackend(NumpyFp8Ops):
 
     def logits(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         self._took((x.shape[0], w.shape[0]), "f32")
-        return (x @ w.T).astype(np.float32, copy=False)
+        return matmul_rows(x, w.T).astype(np.float32, copy=False)
 
     # ---- step plumbing --------------------------------------------------------------------
     def fill_from_last(self, input_ids: np.ndarray, src_rows: np.ndarray, last_tokens: np.ndarray) -> None:
