@@ -209,3 +209,56 @@ struct SimWgmmaRegA {
 };
 template <int N>
 struct WgmmaRATB : SimWgmmaRegA<N, true> {};
+
+// e4m3 code -> float (the format's finite values; the kernels never hold the NaN codes).
+inline float sim_e4m3(unsigned char c) {
+    const int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
+    const float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
+    return sign ? -v : v;
+}
+
+// e4m3 element (r, k) of a swizzled K-major operand described by desc (a byte an element).
+inline float sim_operand_e4m3(u64_t desc, int r, int k) {
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned lin = start + (unsigned)(r / 8) * sbo + (unsigned)(r % 8) * 128 + (unsigned)k;
+    const unsigned phys = lin ^ (((lin >> 7) & 7u) << 4);
+    return sim_e4m3(*sim_smem(phys));
+}
+
+// The e4m3 form: A [64][32] and B [N][32] codes through their descriptors, the same accumulator
+// layout as the bf16 forms.
+template <int N>
+struct WgmmaE4M3 {
+    static void run(const SimWgmma& w) {
+        sim_check_desc(w.a);
+        sim_check_desc(w.b);
+        static float A[64][32], B[N][32];
+        for (int r = 0; r < 64; ++r)
+            for (int k = 0; k < 32; ++k) A[r][k] = sim_operand_e4m3(w.a, r, k);
+        for (int n = 0; n < N; ++n)
+            for (int k = 0; k < 32; ++k) B[n][k] = sim_operand_e4m3(w.b, n, k);
+        for (int t = 0; t < 128; ++t) {
+            float* acc = w.acc[t];
+            for (int j = 0; j < N / 2; ++j) {
+                const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
+                const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
+                float s = 0.f;
+                for (int k = 0; k < 32; ++k) s += A[row][k] * B[col][k];
+                acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
+            }
+        }
+    }
+    static void mma(float* d, u64_t a, u64_t b, int scale_d) {
+        sim::Block* blk = sim::block();
+        const int tid = (int)sim::me().tid.x, wg = tid / 128;
+        blk->wg_acc[tid] = d;
+        sim::group_barrier(32 + wg, 128, [&] {
+            SimWgmma w{run, a, b, scale_d, {}, {}};
+            for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
+            if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
+            else run(w);
+        });
+    }
+    static void pin(float*) {}
+};

@@ -1204,6 +1204,38 @@ def _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d):
     return q, to_e4m3(kc * 40), to_e4m3(vc * 40), qsl, seq_lens, table
 
 
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk", [
+    ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2),  # prompt, decode, chunk
+    ([300, 40], [2300, 40], 32, 8),  # Qwen3-8B's heads over many key tiles, split keys likely
+    ([1200], [1200], 32, 8),  # one long prompt (the numpy reference holds every score)
+])
+def test_fp8_qk_prompt_kernel_matches_numpy_on_rounded_queries(cb, nb, q_lens, ctx_lens, hq, hk, monkeypatch):
+    """VT_KV8_QK8: prompts over an fp8 cache on attention_wgq (Q K^T on the e4m3 tensor cores, each
+    q row rounded to e4m3 x 2^n as it loads): the numpy twin's attention of the rounded queries."""
+    from vt.kernels.attention_plan import QK8_KERNEL
+    from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
+    if QK8_KERNEL not in cb._kernels and cb._compile_sm90a():
+        pytest.skip("no sm_90a kernels on this GPU")
+    monkeypatch.setattr(cb, "kv8_qk8", True)
+    launched: list[str] = []
+    launch = cb._launch
+
+    def recording_launch(name, *args, **kwargs):
+        launched.append(name)
+        launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(cb, "_launch", recording_launch)
+    rng = np.random.default_rng(sum(ctx_lens))
+    q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, 128)
+    q = bf16(q * rng.uniform(0.01, 50, (q.shape[0], hq, 1)))
+    ref = nb.attention(quantize_rows_pow2(q), kc, vc, qsl, seq_lens, table, 128**-0.5, max(q_lens),
+                       max(ctx_lens), kv_scales=FP8_SCALES)
+    got = _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, 128**-0.5, max(q_lens), max(ctx_lens))
+    assert QK8_KERNEL in launched, launched
+    assert rel_err(got, ref) < BF16_TOL
+
+
 @pytest.mark.parametrize(
     "q_lens,ctx_lens,hq,hk,d",
     [

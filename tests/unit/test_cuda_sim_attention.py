@@ -317,3 +317,63 @@ def test_every_e4m3_code_reads_back_exactly(sim, q_len, hk, d, tiling):
                      table, d**-0.5, 1, kv_scales=(1.0, 1.0))
     want = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(hk, d)
     np.testing.assert_array_equal(_float(out)[0], want)
+
+
+# ---- wgq: Q K^T in e4m3 over an fp8 cache (each q row e4m3 x 2^n) -------------------------------
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,hk,splits", [
+    ([5, 1, 17, 1], [5, 40, 60, 7], 8, 2, 1),  # prompt, decode, chunk
+    ([60, 9], [260, 140], 8, 2, 3),  # split keys
+    ([33, 1, 90], [97, 5, 90], 16, 2, 1),  # group 8, partial tiles
+    ([300], [300], 32, 8, 1),  # Qwen3-8B's heads: warpgroups at different causal limits
+])
+@pytest.mark.parametrize("late,order", [(True, 0), (False, 0), (False, 2)],
+                         ids=["late", "early", "high-first"])
+def test_fp8_qk_prompt_kernel_matches_numpy_on_rounded_queries(sim, q_lens, ctx_lens, hq, hk, splits, late,
+                                                                order):
+    """attention_wgq_d128_prefill_kv8 rounds each q row to e4m3 x 2^n as it loads Q and multiplies
+    codes by the fp8 K stage's codes on the e4m3 tensor cores: on queries the numpy twin has
+    rounded the same way (quantize_rows_pow2) it is the twin's attention; on raw bf16 queries too,
+    since it rounds them as the twin does."""
+    from vt.kernels.attention_plan import wgq_smem
+    from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
+    rng = np.random.default_rng(31 + splits + hq)
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, 128, 16)
+    q = _bits(_float(q) * rng.uniform(0.01, 50, (q.shape[0], hq, 1)))  # rows of every size
+    kc, vc = (to_e4m3(_float(c) * 40) for c in (kc, vc))
+    rounded = quantize_rows_pow2(_float(q))
+    ref = NumpyBackend().attention(rounded, kc, vc, qsl, seq_lens, table, 128**-0.5, max(q_lens),
+                                   max(ctx_lens), kv_scales=KV8_SCALES)
+    kc, vc = kc.view(np.uint8), vc.view(np.uint8)
+    rows = max(q_lens) * (hq // hk)
+    grid = (-(-rows // 128), hk, len(q_lens) * splits)
+    for queries in (_bits(rounded), q):
+        out = sim.launch("attention_wgq_d128_prefill_kv8", grid, 256, wgq_smem(), queries, kc, vc, qsl,
+                         seq_lens, table, 128**-0.5, splits, late=late, order=order, kv_scales=KV8_SCALES)
+        assert _rel_err(_float(out), ref) < BF16_TOL
+
+
+def test_pow2_rounding_of_query_rows_is_idempotent_and_within_an_e4m3_step():
+    from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((50, 128)) * rng.uniform(1e-3, 1e3, (50, 1))).astype(np.float32)
+    x[3] = 0.0
+    once = quantize_rows_pow2(x)
+    np.testing.assert_array_equal(quantize_rows_pow2(once), once)
+    np.testing.assert_array_equal(_float(_bits(once)), once)  # exact in bf16
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    assert (np.abs(once - x) <= amax / 16 + 1e-30).all() and not once[3].any()
+
+
+def test_fp8_qk_prompts_take_the_e4m3_kernel_only_where_wgr_would_run():
+    """qk8 changes only the prompts that wgr's fp8 kernel (the default tiling's) would run."""
+    from vt.kernels.attention_plan import QK8_KERNEL
+
+    assert attention_kernel(4, 300, 128, kv8=True, qk8=True).name == QK8_KERNEL
+    assert attention_kernel(4, 300, 128, kv8=True).name == "attention_wgr_d128_prefill_kv8"
+    assert attention_kernel(4, 300, 128, kv8=False, qk8=True).name != QK8_KERNEL  # a bf16 cache
+    assert attention_kernel(4, 1, 128, kv8=True, qk8=True).name.endswith("decode8_kv8")  # decode
+    assert attention_kernel(4, 300, 64, kv8=True, qk8=True).name != QK8_KERNEL  # head dim 64
+    assert attention_kernel(4, 300, 128, kv8=True, qk8=True, prefill="r64").name != QK8_KERNEL

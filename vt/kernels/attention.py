@@ -17,6 +17,7 @@ from vt.kernels.attention_plan import (
     KV8_SUFFIX,
     MAX_KEY_SPLITS,
     PREFILL_TILINGS,
+    QK8_KERNEL,
     TC_HEAD_DIMS,
     attention_kernel,
     attention_partial_bytes,
@@ -60,6 +61,8 @@ def requested_prefill_tiling(name: str | None) -> str | None:
 
 
 class AttentionOps(CudaCore):
+    kv8_qk8: bool = False
+
     def _init_attention(self, requested_tiling: str | None) -> None:
         """Opt the kernels into their shared memory, pick the prompt tiling (the requested one,
         strictly, or the default where it builds) and ask the model's kernels' occupancy up front."""
@@ -67,6 +70,9 @@ class AttentionOps(CudaCore):
             fn = self._kernels[n]
             getattr(fn, "function", fn).max_dynamic_shared_size_bytes = _ATTN_SMEM_MAX
         self._arch_modules: list[Any] = []
+        # VT_KV8_QK8=1: prompts over an fp8 cache on wgr's body with Q K^T in e4m3 (an experiment:
+        # only the prompt kernel rounds q, so prompt and decode numerics differ by that rounding)
+        self.kv8_qk8 = os.environ.get("VT_KV8_QK8", "") == "1"
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
         self._occupancy: dict[tuple[str, int, int], int] = {}
@@ -110,8 +116,8 @@ class AttentionOps(CudaCore):
             module.load(cubin)
             self._arch_modules.append(module)  # functions live as long as their module
             smem_attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for name in (k for t in PREFILL_TILINGS.values() if t.sm90_only for kv8 in (False, True)
-                         for k in t.kernels(kv8)):
+            for name in (*(k for t in PREFILL_TILINGS.values() if t.sm90_only for kv8 in (False, True)
+                           for k in t.kernels(kv8)), QK8_KERNEL):
                 fn = module.get_function(name)
                 driver.funcSetAttribute(fn.ptr, smem_attr, _SM90_SMEM_MAX)
                 fns[name] = fn
@@ -188,7 +194,7 @@ class AttentionOps(CudaCore):
                 kv_scales, cascade_blocks):
             return out
         plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
-                                kv8=kv8)
+                                kv8=kv8, qk8=self.kv8_qk8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
         splits, part_o, part_ml = self._key_split_partials(kernel, smem, threads, row_tiles * hk * b,
                                                            max_seq_len, t, hq, d)

@@ -42,6 +42,18 @@ def wg_smem(nwg: int, stages: int, bufs: int = 1, v_direct: bool = False) -> int
             + stages * 64 * 4)
 
 
+# wgr's fp8-cache body with Q K^T on the e4m3 tensor cores (attention_wg.cu), head dim 128.
+QK8_KERNEL = "attention_wgq_d128_prefill_kv8"
+
+
+def wgq_smem(stages: int = 3) -> int:
+    """attention_wg.cu's wgq block (wgr's fp8-cache body with Q K^T in e4m3): the alignment pad, Q
+    as codes [128 rows][128 B], one bf16 V tile [2][128 keys][128 B], per stage an fp8 K and V tile,
+    the cache row offsets of 128 keys a stage, Q's 128 row scales and the 16-byte sink (150,544
+    bytes with three stages)."""
+    return 1024 + 128 * 128 + 2 * 128 * 128 + stages * 2 * 128 * 128 + stages * 128 * 4 + 128 * 4 + 16
+
+
 def wgr_smem(stages: int = 3, kv8: bool = False) -> int:
     """Dynamic shared memory of attention_wg.cu's wgr block (head dim 128, 128 rows, 128-key
     tiles): the 1024-byte alignment pad, Q [2][128][128 B], per stage a swizzled K tile and a V
@@ -133,7 +145,8 @@ TC_MAX_CACHE_ELEMS = 8 * 0xFFFFFFFF  # the tensor-core kernels address the cache
 
 
 def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 0,
-                     prefill: str = DEFAULT_PREFILL_TILING, kv8: bool = False) -> AttnKernel:
+                     prefill: str = DEFAULT_PREFILL_TILING, kv8: bool = False,
+                     qk8: bool = False) -> AttnKernel:
     """The kernel for sequences of up to max_query_len tokens, rows = tokens x GQA group per kv
     head. Head dims 64 and 128 run on tensor cores: 8-row transposed tiles when every sequence
     has at most 8 rows (decode with groups up to 8), 16-row tiles up to 16 rows, both with four
@@ -141,7 +154,8 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     cache of cache_elems elements or more than TC_MAX_CACHE_ELEMS takes the CUDA cores.
     kv8: the cache holds e4m3 codes; the same choice among the kernels that read them (name +
     KV8_SUFFIX), a prompt tiling without such kernels taking its kv8_tiling's (wgs: wgr's) or else
-    the fallback's."""
+    the fallback's. qk8 (with kv8): prompts that would run wgr's fp8 kernel run QK8_KERNEL, its
+    body with Q K^T in e4m3 (each q row rounded to e4m3 x 2^n)."""
     rows = max_query_len * group
     suffix = KV8_SUFFIX if kv8 else ""
     if d in TC_HEAD_DIMS and cache_elems < TC_MAX_CACHE_ELEMS:
@@ -156,6 +170,8 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
             t = PREFILL_TILINGS[t.kv8_tiling or FALLBACK_PREFILL_TILING]
         if d not in t.head_dims or (kv8 and t.kv8_smem is None):
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
+        if kv8 and qk8 and t is PREFILL_TILINGS["wgr"] and d == 128:
+            return AttnKernel(QK8_KERNEL, True, -(-rows // t.rows), wgq_smem(), t.threads)
         smem = t.kv8_smem(d) if kv8 and t.kv8_smem is not None else t.smem(d)
         return AttnKernel(t.kernel.format(d=d) + suffix, True, -(-rows // t.rows), smem, t.threads)
     r = 1 if rows <= 4 else 2 if rows <= 8 else 4

@@ -363,11 +363,55 @@ __device__ __forceinline__ void wgr_convert_tile(unsigned char* tile16, const un
 #define WGS_EMPTY(w, p) (7 + 2 * (w) + (p))
 #define WGS_SCHED(w) (11 + (w))
 
-template <bool KV8, bool PP = false>
+// QK8: the block's 128 Q rows (zero past nrows) as e4m3 codes into the swizzled tile at q8
+// ([128 rows][128 B], 16-byte chunk c of row r at chunk c ^ (r % 8)), each row's scale 2^n into
+// qsc: n is the smallest integer with amax <= 448 x 2^n, so the codes q / 2^n are exact wherever q
+// itself is e4m3 x 2^m (m >= n always then). Two threads a row, 64 dims each.
+__device__ __forceinline__ void wgq_load_q(unsigned char* q8, float* qsc, const bf16_t* __restrict__ q,
+                                           int q_stride, int row0, int nrows, int group, int q0, int kh,
+                                           int tid) {
+    const int lr = tid >> 1, h = tid & 1, r = row0 + lr;
+    const bool ok = r < nrows;
+    const bf16_t* src = q + (size_t)(q0 + r / group) * q_stride + (size_t)(kh * group + r % group) * WG_D + h * 64;
+    uint4 raw[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) raw[i] = ok ? *reinterpret_cast<const uint4*>(src + i * 8) : make_uint4(0u, 0u, 0u, 0u);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const unsigned w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    // 448 = 1.75 x 2^8: amax = (1 + f) 2^e needs n = e - 8, or e - 7 when f > 0.75
+    const unsigned bits = __float_as_uint(amax);
+    int n = amax > 0.f ? (int)((bits >> 23) & 255u) - 127 - 8 + ((bits & 0x7FFFFFu) > 0x600000u) : 0;
+    n = max(-100, min(100, n));
+    const float inv = __uint_as_float((unsigned)(127 - n) << 23);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // chunk 4h + j: dims 16 j .. 16 j + 15 of this half
+        unsigned w[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {  // four codes a word: raw[2 j + p / 2], words (p % 2) * 2, + 1
+            const unsigned a = p % 2 ? raw[2 * j + p / 2].z : raw[2 * j + p / 2].x;
+            const unsigned b = p % 2 ? raw[2 * j + p / 2].w : raw[2 * j + p / 2].y;
+            w[p] = pack4_e4m3(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xffff0000u) * inv,
+                              __uint_as_float(b << 16) * inv, __uint_as_float(b & 0xffff0000u) * inv);
+        }
+        const int ch = 4 * h + j;
+        *reinterpret_cast<uint4*>(q8 + lr * 128 + ((ch ^ (lr & 7)) << 4)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (h == 0) qsc[lr] = __uint_as_float((unsigned)(127 + n) << 23);
+}
+
+template <bool KV8, bool PP = false, bool QK8 = false>
 __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     static_assert(!(KV8 && PP), "the ping-pong body reads a bf16 cache");
+    static_assert(!QK8 || KV8, "Q K^T in e4m3 reads an fp8 cache");
     constexpr int NT = 256, ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
-    constexpr int Q_BYTES = 2 * ROWS * 128;
+    constexpr int Q_BYTES = (QK8 ? 1 : 2) * ROWS * 128;  // QK8: a row of 128 codes, one swizzled row
     constexpr int PARTS = KV8 ? WG_D / 16 : WG_D / 8;  // 16-byte pieces of a cached head row
     constexpr int COPIES = KT * PARTS / NT;    // a thread's 16-byte copies of one K (or V) tile: 8 (KV8 4)
     constexpr int STAGE_BYTES = KV8 ? WGR_TILE8 : WGR_TILE;  // a K (or V) stage
@@ -384,13 +428,15 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     const unsigned q_s = base;
     // The tiles the products read: K stage s at k_s + s * WGR_TILE, V likewise (KV8: one each)
     const unsigned k_s = base + Q_BYTES;
-    const unsigned v_s = k_s + (KV8 ? 1 : STAGES) * WGR_TILE;
+    const unsigned v_s = k_s + (QK8 ? 0 : KV8 ? 1 : STAGES) * WGR_TILE;  // QK8: S reads the fp8 K stage
     // Where the copies land: those stages, or (KV8) the fp8 K stages, then V's
     const unsigned kc_s = KV8 ? v_s + WGR_TILE : k_s;
     const unsigned vc_s = KV8 ? kc_s + STAGES * WGR_TILE8 : v_s;
     const unsigned off_at = vc_s + STAGES * STAGE_BYTES;
     unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (off_at - base));
-    const unsigned sink = off_at + STAGES * KT * 4;  // a word never read
+    // QK8: each Q row's scale 2^n (its codes are q / 2^n), then the sink
+    const unsigned qsc_at = off_at + STAGES * KT * 4;
+    const unsigned sink = qsc_at + (QK8 ? ROWS * 4 : 0);  // a word never read
     const int* table = block_tables + (size_t)b * max_blocks;
 
     const int ra = row0 + wg * 64 + warp * 16 + g, rb = ra + 8;
@@ -424,8 +470,11 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     const int key0 = (PP ? wg * (KT / 2) : 0) + ctid / PARTS, part = ctid % PARTS;
     const unsigned dst0 = KV8 ? key0 * WG_D + part * 16
                               : (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
-    auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
-        const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + dst0;
+    // QK8: K's fp8 stage is the wgmma's B as it lands: 128-byte rows swizzled (a thread's keys are
+    // 32 apart, so its chunk's swizzle is the same for all of them); V's stays plain for widening.
+    const unsigned dst0k = QK8 ? key0 * 128 + ((part ^ (key0 & 7)) << 4) : dst0;
+    auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache, unsigned d0) {
+        const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + d0;
         const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
         const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
         const int valid = kv_end - tile * KT - key0;  // this thread's keys i with KSTEP i < valid are real
@@ -445,11 +494,16 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     __syncthreads();
     // Q (zero rows past the sequence's) and K(tile0); then K(tile0 + 1) and V(tile0): the groups
     // steps tile0 - 2 and tile0 - 1 would have issued.
-    copy_q_sw128<ROWS, NT>(q_s, q, q_stride, row0, nrows, group, q0, kh, tid);
-    if (tile0 < tile1) copy_tile(tile0, kc_s, k_cache);
+    if constexpr (QK8) {
+        wgq_load_q(gbase + (q_s - base), reinterpret_cast<float*>(gbase + (qsc_at - base)), q, q_stride, row0,
+                   nrows, group, q0, kh, tid);
+    } else {
+        copy_q_sw128<ROWS, NT>(q_s, q, q_stride, row0, nrows, group, q0, kh, tid);
+    }
+    if (tile0 < tile1) copy_tile(tile0, kc_s, k_cache, dst0k);
     cp_async_commit();
-    if (tile0 + 1 < tile1) copy_tile(tile0 + 1, kc_s, k_cache);
-    if (tile0 < tile1) copy_tile(tile0, vc_s, v_cache);
+    if (tile0 + 1 < tile1) copy_tile(tile0 + 1, kc_s, k_cache, dst0k);
+    if (tile0 < tile1) copy_tile(tile0, vc_s, v_cache, dst0);
     cp_async_commit();
     // The first step's P V multiplies a zero P by the V stage of tile0 - 1, which no copy fills
     // before step tile0 + 1: zero it, so that the product is 0 and not 0 * stale NaN (KV8: its
@@ -478,11 +532,11 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
-        if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache);
-        if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
+        if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache, dst0k);
+        if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache, dst0);
         cp_async_commit();
         if constexpr (KV8) {
-            if (tile < tile1)
+            if (!QK8 && tile < tile1)
                 wgr_convert_tile<NT>(gbase + (k_s - base), gbase + (kc_s - base) + (tile % STAGES) * WGR_TILE8, tid);
             wgr_convert_tile<NT>(gbase + (v_s - base),
                                  gbase + (vc_s - base) + ((tile + STAGES - 1) % STAGES) * WGR_TILE8, tid);
@@ -496,10 +550,19 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 #pragma unroll
         for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();  // also orders the last step's writes of o and pa before the products below
+        if constexpr (QK8) {  // codes times codes: 4 k-steps of 32 over the fp8 K stage
+            const unsigned k8 = kc_s + (tile % STAGES) * WGR_TILE8;
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + wg * 64 * 128 + (kk % 4) * 32;
-            Wgmma<128>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32), kk > 0);
+            for (int kk = 0; kk < 4; ++kk)
+                WgmmaE4M3<128>::mma(&s[0][0], sw128_desc(q_s + wg * 64 * 128 + kk * 32), sw128_desc(k8 + kk * 32),
+                                    kk > 0);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + wg * 64 * 128 + (kk % 4) * 32;
+                Wgmma<128>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32),
+                                kk > 0);
+            }
         }
         wgmma_commit();
     };
@@ -534,8 +597,8 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
             // The refill: K(t + 2) and V(t + 1) into the stages of K(t - 1) and V(t - 2), once the
             // other warpgroup has retired the products that read them (its step t - 1).
             if (tile > tile0) bar_sync(WGS_EMPTY(wg, (tile - 1) & 1), NT);
-            if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache);
-            if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache);
+            if (tile + 2 < tile1) copy_tile(tile + 2, kc_s, k_cache, dst0k);
+            if (tile + 1 < tile1) copy_tile(tile + 1, vc_s, v_cache, dst0);
             cp_async_commit();
             fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
             // K(t + 1) and V(t) (last step's group): announced now, not at the next step's start,
@@ -564,16 +627,29 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
                            total_tokens, num_splits, out, part_o, part_ml, v_scale);
     } else {
+        // QK8: the rows' scales, read once the first step's barrier has published them
+        float qs_a = 1.f, qs_b = 1.f;
         // As wgv's loop: no wgmma on a branch (ptxas would serialize them all), so the first P V
         // multiplies a zero P, and tiles past a warpgroup's last row are computed fully masked.
         for (int tile = tile0; tile < tile1; ++tile) {
             next_tile(tile);
+            if constexpr (QK8) {
+                if (tile == tile0) {
+                    const float* qsc = reinterpret_cast<const float*>(gbase + (qsc_at - base));
+                    qs_a = qsc[wg * 64 + warp * 16 + g];
+                    qs_b = qsc[wg * 64 + warp * 16 + g + 8];
+                }
+            }
             float s[16][4];
             issue_s(tile, s);
             issue_pv(tile - 1);
             fetch(tile + 3);  // its slot's offsets, tile t's, were last read by V(t)'s copies a step ago
             wgmma_wait<1>();  // S has landed; the P V may still run, reading pa
             Wgmma<128>::pin(&s[0][0]);
+            if constexpr (QK8) {  // the codes' products times each row's 2^n
+#pragma unroll
+                for (int n = 0; n < 16; ++n) { s[n][0] *= qs_a; s[n][1] *= qs_a; s[n][2] *= qs_b; s[n][3] *= qs_b; }
+            }
             const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
             // ptxas moves a wait up past arithmetic but not past a shared-memory store: storing
             // the row sums, which need every exponential of the tile, keeps the softmax before it.
@@ -601,9 +677,15 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
         attention_wgr_body<KV8, PP>(ATTN_TC_ARGS);                                                \
     }
+#define ATTENTION_WGQ_ENTRY(NAME)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
+        attention_wgr_body<true, false, true>(ATTN_TC_ARGS);                                      \
+    }
 
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
 // wgs: wgr's products and data flow, its warpgroups in ping-pong (the PP notes above).
 ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
 // fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true, false)
+// fp8 KV cache with Q K^T in e4m3 (q quantized per row to e4m3 x 2^n as it loads).
+ATTENTION_WGQ_ENTRY(attention_wgq_d128_prefill_kv8)

@@ -180,3 +180,16 @@ class NumpyFp8Ops:
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "
                              f"{(x.q.shape[0], w.q.shape[0])}")
         residual += scaled_gemm(x.q, x.scale, w.q, w.scale)
+
+
+def quantize_rows_pow2(x: np.ndarray) -> np.ndarray:
+    """Each row (last axis) rounded to e4m3 x 2^n, n the smallest integer with max |row| <= 448 x
+    2^n (clamped to +-100), as float32: a power-of-two scale keeps e4m3's three mantissa bits, so
+    the values are exact in bf16, and rounding them again gives the same values."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32)
+    bits = amax.view(np.uint32)
+    e = ((bits >> 23) & 255).astype(np.int32) - 127
+    n = np.where(amax > 0, e - 8 + ((bits & 0x7FFFFF) > 0x600000), 0).clip(-100, 100)
+    codes = (x * np.ldexp(np.float32(1), -n).astype(np.float32)).clip(-E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return codes.astype(np.float32) * np.ldexp(np.float32(1), n).astype(np.float32)

@@ -147,3 +147,23 @@ struct WgmmaRATB<128> {
     }
     static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
 };
+
+// d (m64nN accumulators) (+)= A . B^T with A and B e4m3 codes, both K-major from sw128_desc
+// descriptors (fp8 wgmma has no transposed form): a k-step is 32 codes, 32 bytes, so the
+// descriptors advance as bf16's k16 steps do, and a 128-byte swizzled row holds 128 codes.
+template <int N>
+struct WgmmaE4M3;
+template <>
+struct WgmmaE4M3<128> {
+    static __device__ __forceinline__ void mma(float* d, u64_t a, u64_t b, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                     "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
+                     "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
+                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1;\n}\n"
+                     : WG_D64(0)
+                     : "l"(a), "l"(b), "r"(scale_d));
+    }
+    static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
+};
