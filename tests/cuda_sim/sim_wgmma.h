@@ -125,21 +125,40 @@ inline void sim_check_desc(u64_t desc) {
 
 // d (+)= A B^T for a wgmma whose A has been read: B through its descriptor, every thread's
 // accumulators in the m64nNk16 layout.
+// d (+)= A B^T of one k-step of K, both operands read: every thread's accumulators in the m64nN layout.
+template <int N, int K>
+inline void sim_wgmma_accumulate(const float (&A)[64][K], const float (&B)[N][K], const SimWgmma& w) {
+    for (int t = 0; t < 128; ++t) {
+        float* acc = w.acc[t];
+        for (int j = 0; j < N / 2; ++j) {
+            const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
+            const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
+            float s = 0.f;
+            for (int k = 0; k < K; ++k) s += A[row][k] * B[col][k];
+            acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
+        }
+    }
+}
+
 template <int N, bool TB>
 inline void sim_wgmma_product(const float (&A)[64][16], const SimWgmma& w) {
     float B[N][16];
-        for (int n = 0; n < N; ++n)
-            for (int k = 0; k < 16; ++k) B[n][k] = TB ? sim_operand_mn(w.b, n, k) : sim_operand(w.b, n, k);
-        for (int t = 0; t < 128; ++t) {
-            float* acc = w.acc[t];
-            for (int j = 0; j < N / 2; ++j) {
-                const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
-                const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
-                float s = 0.f;
-                for (int k = 0; k < 16; ++k) s += A[row][k] * B[col][k];
-                acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
-            }
-        }
+    for (int n = 0; n < N; ++n)
+        for (int k = 0; k < 16; ++k) B[n][k] = TB ? sim_operand_mn(w.b, n, k) : sim_operand(w.b, n, k);
+    sim_wgmma_accumulate<N, 16>(A, B, w);
+}
+
+// A warpgroup's wgmma from descriptors: queued (late) or run at once, when its last thread arrives.
+inline void sim_wgmma_issue(void (*run)(const SimWgmma&), float* d, u64_t a, u64_t b, int scale_d) {
+    sim::Block* blk = sim::block();
+    const int tid = (int)sim::me().tid.x, wg = tid / 128;
+    blk->wg_acc[tid] = d;
+    sim::group_barrier(32 + wg, 128, [&] {
+        SimWgmma w{run, a, b, scale_d, {}, {}};
+        for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
+        if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
+        else run(w);
+    });
 }
 
 template <int N, bool TB>
@@ -153,17 +172,7 @@ struct SimWgmmaOf {
             for (int k = 0; k < 16; ++k) A[r][k] = sim_operand(w.a, r, k);
         sim_wgmma_product<N, TB>(A, w);
     }
-    static void mma(float* d, u64_t a, u64_t b, int scale_d) {
-        sim::Block* blk = sim::block();
-        const int tid = (int)sim::me().tid.x, wg = tid / 128;
-        blk->wg_acc[tid] = d;
-        sim::group_barrier(32 + wg, 128, [&] {
-            SimWgmma w{run, a, b, scale_d, {}, {}};
-            for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
-            if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
-            else run(w);
-        });
-    }
+    static void mma(float* d, u64_t a, u64_t b, int scale_d) { sim_wgmma_issue(run, d, a, b, scale_d); }
     static void pin(float*) {}
 };
 template <int N>
@@ -238,27 +247,8 @@ struct WgmmaE4M3 {
             for (int k = 0; k < 32; ++k) A[r][k] = sim_operand_e4m3(w.a, r, k);
         for (int n = 0; n < N; ++n)
             for (int k = 0; k < 32; ++k) B[n][k] = sim_operand_e4m3(w.b, n, k);
-        for (int t = 0; t < 128; ++t) {
-            float* acc = w.acc[t];
-            for (int j = 0; j < N / 2; ++j) {
-                const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((j / 2) % 2);
-                const int col = 8 * (j / 4) + 2 * (t % 4) + j % 2;
-                float s = 0.f;
-                for (int k = 0; k < 32; ++k) s += A[row][k] * B[col][k];
-                acc[j] = (w.scale_d ? acc[j] : 0.f) + s;
-            }
-        }
+        sim_wgmma_accumulate<N, 32>(A, B, w);
     }
-    static void mma(float* d, u64_t a, u64_t b, int scale_d) {
-        sim::Block* blk = sim::block();
-        const int tid = (int)sim::me().tid.x, wg = tid / 128;
-        blk->wg_acc[tid] = d;
-        sim::group_barrier(32 + wg, 128, [&] {
-            SimWgmma w{run, a, b, scale_d, {}, {}};
-            for (int t = 0; t < 128; ++t) w.acc[t] = blk->wg_acc[wg * 128 + t];
-            if (sim::timing().late_wgmma) sim_wg_queue(wg).open.push_back(w);
-            else run(w);
-        });
-    }
+    static void mma(float* d, u64_t a, u64_t b, int scale_d) { sim_wgmma_issue(run, d, a, b, scale_d); }
     static void pin(float*) {}
 };

@@ -1218,14 +1218,7 @@ def test_fp8_qk_prompt_kernel_matches_numpy_on_rounded_queries(cb, nb, q_lens, c
     if QK8_KERNEL not in cb._kernels and cb._compile_sm90a():
         pytest.skip("no sm_90a kernels on this GPU")
     monkeypatch.setattr(cb, "kv8_qk8", True)
-    launched: list[str] = []
-    launch = cb._launch
-
-    def recording_launch(name, *args, **kwargs):
-        launched.append(name)
-        launch(name, *args, **kwargs)
-
-    monkeypatch.setattr(cb, "_launch", recording_launch)
+    launched = record_launches(cb, monkeypatch)
     rng = np.random.default_rng(sum(ctx_lens))
     q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, q_lens, ctx_lens, hq, hk, 128)
     q = bf16(q * rng.uniform(0.01, 50, (q.shape[0], hq, 1)))
