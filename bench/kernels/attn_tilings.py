@@ -59,7 +59,7 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
                          ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
     """One attention launch of sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a
     paged cache whose blocks are shuffled, with random bf16 q, K and V (kv8: e4m3 codes, scales
-    0.1) and 8 kv heads."""
+    0.1, and q rounded as over an fp8 cache) and 8 kv heads."""
     import cupy
 
     from bench.kernels.kernel_bench import act
@@ -70,6 +70,12 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
     kc, vc = make(sum(blocks), BS, hk, D), make(sum(blocks), BS, hk, D)
     scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
     q = act(sum(q_lens), hq, D)
+    if kv8:  # the query the prologue leaves over an fp8 cache: each row e4m3 x 2^n
+        from vt.kernels.cuda_core import bf16_bits
+        from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
+        host = (cupy.asnumpy(q).astype(np.uint32) << 16).view(np.float32)
+        q = cupy.asarray(bf16_bits(quantize_rows_pow2(host)))
     table = np.zeros((len(q_lens), max(blocks)), np.int32)
     perm = rng.permutation(sum(blocks))
     at = 0

@@ -113,13 +113,15 @@ extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, un
 _ELEMENT_KERNELS = {
     "silu_mul_k": ("const bf16_t* x, bf16_t* out, int tokens, int inter, const bf16_t* rms_of, "
                    "int rms_width, float eps", "x, out, tokens, inter, rms_of, rms_width, eps"),
-    "qk_norm_rope_write_kv_k": (
+    **{name: (
         "bf16_t* q, int q_stride, bf16_t* k, int k_stride, bf16_t* v, int v_stride, const bf16_t* q_norm, "
         "const bf16_t* k_norm, float eps, const int* positions, const float* inv_freq, bf16_t* k_cache, "
         "bf16_t* v_cache, const int* slot_mapping, long long num_slots, int tokens, int hq, int hk, int d, "
-        "const bf16_t* rms_of, int rms_width, const bf16_t* bias, float k_scale, float v_scale, int kv8",
+        "const bf16_t* rms_of, int rms_width, const bf16_t* bias, float k_scale, float v_scale",
         "q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache, "
-        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale, kv8"),
+        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale")
+       for name in ("qk_norm_rope_write_kv_k", "qk_norm_rope_write_kv8_k")},
+    "round_q_e4m3_pow2_k": ("bf16_t* q, int q_stride, int d", "q, q_stride, d"),
     "write_kv_k": (
         "const bf16_t* k, int k_stride, const bf16_t* v, int v_stride, bf16_t* k_cache, bf16_t* v_cache, "
         "const int* slot_mapping, int row_elems, long long num_slots, float k_scale, float v_scale, int kv8",

@@ -11,7 +11,7 @@ import pytest
 
 from tests.gpu.launches import record_launches
 from vt.kernels import numpy_sampling
-from vt.kernels.attention_plan import FALLBACK_PREFILL_TILING, KV8_SUFFIX, PREFILL_TILINGS
+from vt.kernels.attention_plan import FALLBACK_PREFILL_TILING, KV8_SUFFIX, PREFILL_TILINGS, QK8_KERNEL
 from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
@@ -1166,10 +1166,13 @@ def test_write_kv_stores_the_twins_codes(cb, nb, rng):
     assert (cb.to_host(dk) == kc.view(np.uint8)).all() and (cb.to_host(dv) == vc.view(np.uint8)).all()
 
 
-@pytest.mark.parametrize("d,with_norm", [(128, True), (64, False), (128, False)])
+@pytest.mark.parametrize("d,with_norm", [(128, True), (64, False), (128, False), (72, True)])
 def test_fused_prologue_quantizes_what_it_writes(cb, nb, rng, d, with_norm):
     """The fused prologue into an fp8 cache stores e4m3(k / k_scale), e4m3(v / v_scale) of the
-    bf16 k and v it leaves in place."""
+    bf16 k and v it leaves in place, and leaves q as into a bf16 cache with each head row rounded
+    to e4m3 x 2^n (numpy_fp8.quantize_rows_pow2, bit for bit). Head dim 72: the three-op path."""
+    from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
     t, hq, hk, blocks, bs = 7, 8, 2, 4, 16
     q, k, v = (bf16(rng.standard_normal((t, h, d)) * 3) for h in (hq, hk, hk))
     norms = [bf16(1 + 0.1 * rng.standard_normal(d)) for _ in range(2)] if with_norm else [None, None]
@@ -1182,11 +1185,17 @@ def test_fused_prologue_quantizes_what_it_writes(cb, nb, rng, d, with_norm):
         cb.qk_norm_rope_write_kv(dq, dk, dv, *(None if n is None else act(cb, n) for n in norms), 1e-6,
                                  cb.from_host(pos, "i32"), cb.from_host(inv_freq, "f32"), kc, vc,
                                  cb.from_host(slots, "i32"), kv_scales=(0.01, 0.05))
-        k_out, v_out = cb.to_host(dk), cb.to_host(dv)
+        k_out, v_out, q_out = cb.to_host(dk), cb.to_host(dv), cb.to_host(dq)
+        plain, dev_norms = act(cb, q), [None if n is None else act(cb, n) for n in norms]
+        cb.qk_norm_rope_write_kv(plain, act(cb, k), act(cb, v), *dev_norms, 1e-6, cb.from_host(pos, "i32"),
+                                 cb.from_host(inv_freq, "f32"), cb.zeros(kc.shape, "act"),
+                                 cb.zeros(vc.shape, "act"), cb.from_host(slots, "i32"))
+        q_plain = cb.to_host(plain)
     want_k, want_v = nb.zeros(kc.shape, "fp8"), nb.zeros(vc.shape, "fp8")
     nb.write_kv(k_out, v_out, want_k, want_v, slots, kv_scales=(0.01, 0.05))
     assert (cb.to_host(kc) == want_k.view(np.uint8)).all()
     assert (cb.to_host(vc) == want_v.view(np.uint8)).all()
+    assert (q_out == quantize_rows_pow2(q_plain)).all() and (q_out != q_plain).any()
 
 
 def _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max_q, max_ctx) -> np.ndarray:
@@ -1200,8 +1209,11 @@ def _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max_q, max_ctx) -> n
 
 
 def _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d):
+    """A paged batch over an fp8 cache, q rounded as the prologue leaves it there (e4m3 x 2^n)."""
+    from vt.kernels.numpy_fp8 import quantize_rows_pow2
+
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
-    return q, to_e4m3(kc * 40), to_e4m3(vc * 40), qsl, seq_lens, table
+    return quantize_rows_pow2(q), to_e4m3(kc * 40), to_e4m3(vc * 40), qsl, seq_lens, table
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,hk", [
@@ -1210,9 +1222,9 @@ def _fp8_batch(rng, q_lens, ctx_lens, hq, hk, d):
     ([1200], [1200], 32, 8),  # one long prompt (the numpy reference holds every score)
 ])
 def test_fp8_qk_prompt_kernel_matches_numpy_on_rounded_queries(cb, nb, q_lens, ctx_lens, hq, hk, monkeypatch):
-    """VT_KV8_QK8: prompts over an fp8 cache on attention_wgq (Q K^T on the e4m3 tensor cores, each
-    q row rounded to e4m3 x 2^n as it loads): the numpy twin's attention of the rounded queries."""
-    from vt.kernels.attention_plan import QK8_KERNEL
+    """Prompts over an fp8 cache on attention_wgq (Q K^T on the e4m3 tensor cores, each q row
+    rounded to e4m3 x 2^n as it loads, a no-op on the prologue's rounded rows): the numpy twin's
+    attention of the rounded queries, from raw bf16 queries too."""
     from vt.kernels.numpy_fp8 import quantize_rows_pow2
 
     if QK8_KERNEL not in cb._kernels and cb._compile_sm90a():
@@ -1289,9 +1301,9 @@ def test_every_e4m3_code_reads_back_exactly(cb, rng, q_len, hk, d, tiling):
 ])
 def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_lens, ctx_lens, hq, hk, d,
                                               monkeypatch):
-    """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90), those of
-    the tiling it names (wgs: wgr's), or (the other wgmma tilings', a head dim it lacks) the
-    fallback's."""
+    """Every requested tiling serves an fp8 cache: its own _kv8 kernels (wgr's on sm_90: the e4m3
+    Q K^T one at head dim 128), those of the tiling it names (wgs: wgr's), or (the other wgmma
+    tilings', a head dim it lacks) the fallback's."""
     scale = d**-0.5
 
     def make(rng):
@@ -1310,6 +1322,8 @@ def test_fp8_prompt_attention_on_every_tiling(cb, nb, shared_cases, tiling, q_le
         if t.kv8_smem is None or d not in t.head_dims:
             t = PREFILL_TILINGS[FALLBACK_PREFILL_TILING]
         expected = t.kernel.format(d=d) + KV8_SUFFIX
+        if cb.kv8_qk8 and t is PREFILL_TILINGS["wgr"] and d == 128:
+            expected = QK8_KERNEL  # wgr's body with Q K^T in e4m3
         got = _attend_fp8(cb, q, kc, vc, qsl, seq_lens, table, scale, max(q_lens), max(ctx_lens))
     finally:
         cb.use_prefill_tiling(previous)

@@ -13,6 +13,7 @@ import pytest
 from tests.cuda_sim import LAUNCH_ARGTYPES, SimUnavailable, build
 from tests.cuda_sim import bf16_bits as _bits
 from tests.cuda_sim import bf16_float as _float
+from vt.kernels.numpy_fp8 import quantize_rows_pow2
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -28,9 +29,11 @@ def lib():
     except SimUnavailable as e:
         pytest.skip(str(e))
     lib.sim_silu_mul_k.argtypes = _LAUNCH + [_P, _P, _I, _I, _P, _I, ctypes.c_float]
-    lib.sim_qk_norm_rope_write_kv_k.argtypes = _LAUNCH + [
-        _P, _I, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, ctypes.c_longlong, _I, _I, _I, _I,
-        _P, _I, _P, ctypes.c_float, ctypes.c_float, _I]
+    for fn in (lib.sim_qk_norm_rope_write_kv_k, lib.sim_qk_norm_rope_write_kv8_k):
+        fn.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P,
+                                 ctypes.c_longlong, _I, _I, _I, _I, _P, _I, _P, ctypes.c_float,
+                                 ctypes.c_float]
+    lib.sim_round_q_e4m3_pow2_k.argtypes = _LAUNCH + [_P, _I, _I]
     lib.sim_write_kv_k.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_longlong,
                                              ctypes.c_float, ctypes.c_float, _I]
     return lib
@@ -109,7 +112,7 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
         parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
         width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
         _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
-        _ptr(bias), 1.0, 1.0, 0)
+        _ptr(bias), 1.0, 1.0)
     assert rc == 0
     got = _float(qkv)
     assert _rel(got[:, : hq * d].reshape(t, hq, d), q) < BF16_TOL
@@ -130,13 +133,16 @@ def _codes(x: np.ndarray, scale: float) -> np.ndarray:
 @pytest.mark.parametrize("prescale", [False, True])
 def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale):
     """Into an fp8 cache the prologue stores e4m3(k / k_scale) and e4m3(v / v_scale) of the bf16
-    k and v it leaves (bit for bit the numpy twin's write_kv of those values), and q, k are as
-    with a bf16 cache."""
+    k and v it leaves (bit for bit the numpy twin's write_kv of those values), k is as with a
+    bf16 cache, and each q head row is the bf16 cache's q rounded to e4m3 x 2^n (bit for bit
+    numpy_fp8.quantize_rows_pow2), the query every attention kernel over the cache reads."""
     rng = np.random.default_rng(hq * d + parts + prescale + 7)
     t, nb, bs, eps, scales = 5, 4, 4, 1e-6, (0.004, 0.5)  # normed k reaches past 448 * 0.004
     width = (hq + 2 * hk) * d
     qkv = _bits(rng.standard_normal((t, width)) * 4)
-    q_norm, k_norm = _bits(1 + 0.1 * rng.standard_normal(d)), _bits(1 + 0.1 * rng.standard_normal(d))
+    # q's norm weights span 2^-20..1 so that each q row reaches below e4m3's normal range, where
+    # its codes depend on the row's amax (all its lanes), not on one lane's
+    q_norm, k_norm = _bits(np.exp2(rng.uniform(-20, 0, d))), _bits(1 + 0.1 * rng.standard_normal(d))
     positions = rng.integers(0, 500, t).astype(np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
     slots = np.array([3, 7, -1, 12, 0], np.int32)
@@ -145,11 +151,11 @@ def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale
     k_cache = np.zeros((nb, bs, hk, d), np.uint8)
     v_cache = np.zeros_like(k_cache)
     plain = qkv.copy()
-    rc = lib.sim_qk_norm_rope_write_kv_k(
+    rc = lib.sim_qk_norm_rope_write_kv8_k(
         parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
         width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
         _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
-        _ptr(bias), scales[0], scales[1], 1)
+        _ptr(bias), scales[0], scales[1])
     assert rc == 0
     got = _float(qkv)
     k_out = got[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
@@ -166,8 +172,12 @@ def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale
         parts, token_blocks, 1, 256, 0, _ptr(plain), width, _ptr(plain, hq * d), width,
         _ptr(plain, (hq + hk) * d), width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq),
         _ptr(bf_cache), _ptr(bf_v), _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of),
-        0 if rms_of is None else rms_of.shape[1], _ptr(bias), 1.0, 1.0, 0)
-    assert rc == 0 and (plain == qkv).all()
+        0 if rms_of is None else rms_of.shape[1], _ptr(bias), 1.0, 1.0)
+    assert rc == 0 and (plain[:, hq * d :] == qkv[:, hq * d :]).all()
+    q_plain = _float(plain)[:, : hq * d].reshape(t, hq, d)
+    q_fp8 = got[:, : hq * d].reshape(t, hq, d)
+    assert (q_fp8 == quantize_rows_pow2(q_plain)).all()
+    assert (q_fp8 != q_plain).any()  # the rounding did something
 
 
 def test_write_kv_writes_fp8_codes(lib):
@@ -183,3 +193,21 @@ def test_write_kv_writes_fp8_codes(lib):
     kc, vc = ops.zeros((nb, bs, hk, d), "fp8"), ops.zeros((nb, bs, hk, d), "fp8")
     ops.write_kv(_float(k).reshape(t, hk, d), _float(v).reshape(t, hk, d), kc, vc, slots, kv_scales=scales)
     assert (k_cache == kc.view(np.uint8)).all() and (v_cache == vc.view(np.uint8)).all()
+
+
+@pytest.mark.parametrize(("t", "hq", "d", "stride"), [(3, 4, 72, 576), (2, 3, 40, 120), (1, 2, 320, 640)])
+def test_round_q_matches_numpy(lib, t, hq, d, stride):
+    """The prologue's three-op path over an fp8 cache: each q head row (token-strided) rounded to
+    e4m3 x 2^n in place, bit for bit numpy_fp8.quantize_rows_pow2; what lies past the heads stays."""
+    rng = np.random.default_rng(t * d)
+    # magnitudes over 2^-24..1 within a row (times a row scale): past e4m3's normal range below
+    # the row's amax, where the codes depend on the row's n, not a lane's
+    x = _bits(rng.standard_normal((t, stride)) * np.exp2(rng.uniform(-24, 0, (t, stride)))
+              * rng.uniform(1e-3, 1e3, (t, 1)))
+    x[0, d : 2 * d] = 0  # a zero row stays zero
+    before = x.copy()
+    rc = lib.sim_round_q_e4m3_pow2_k(t, hq, 1, 32, 0, _ptr(x), stride, d)
+    assert rc == 0
+    q = _float(before)[:, : hq * d].reshape(t, hq, d)
+    assert (_float(x)[:, : hq * d].reshape(t, hq, d) == quantize_rows_pow2(q)).all()
+    assert (x[:, hq * d :] == before[:, hq * d :]).all()

@@ -385,11 +385,8 @@ __device__ __forceinline__ void wgq_load_q(unsigned char* q8, float* qsc, const 
             amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    // 448 = 1.75 x 2^8: amax = (1 + f) 2^e needs n = e - 8, or e - 7 when f > 0.75
-    const unsigned bits = __float_as_uint(amax);
-    int n = amax > 0.f ? (int)((bits >> 23) & 255u) - 127 - 8 + ((bits & 0x7FFFFFu) > 0x600000u) : 0;
-    n = max(-100, min(100, n));
-    const float inv = __uint_as_float((unsigned)(127 - n) << 23);
+    const int n = e4m3_pow2_exponent(amax);
+    const float inv = pow2f(-n);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // chunk 4h + j: dims 16 j .. 16 j + 15 of this half
         unsigned w[4];
@@ -403,7 +400,7 @@ __device__ __forceinline__ void wgq_load_q(unsigned char* q8, float* qsc, const 
         const int ch = 4 * h + j;
         *reinterpret_cast<uint4*>(q8 + lr * 128 + ((ch ^ (lr & 7)) << 4)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    if (h == 0) qsc[lr] = __uint_as_float((unsigned)(127 + n) << 23);
+    if (h == 0) qsc[lr] = pow2f(n);
 }
 
 template <bool KV8, bool PP = false, bool QK8 = false>

@@ -166,6 +166,17 @@ __device__ __forceinline__ unsigned int f2e4m3(float f) {
     return sign | ((r >> 20) - (120u << 3));                   // rebias the exponent: 127 -> 7
 }
 
+// The n of a row rounded to e4m3 x 2^n: the smallest integer with amax <= 448 x 2^n, clamped to
+// +-100 (0 for a zero row). 448 = 1.75 x 2^8: amax = (1 + f) 2^e needs e - 8, or e - 7 when f > 0.75.
+__device__ __forceinline__ int e4m3_pow2_exponent(float amax) {
+    const unsigned bits = __float_as_uint(amax);
+    const int n = amax > 0.f ? (int)((bits >> 23) & 255u) - 127 - 8 + ((bits & 0x7FFFFFu) > 0x600000u) : 0;
+    return max(-100, min(100, n));
+}
+
+// 2^n as a float, for |n| <= 126.
+__device__ __forceinline__ float pow2f(int n) { return __uint_as_float((unsigned)(127 + n) << 23); }
+
 __device__ __forceinline__ unsigned int pack4_e4m3(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned short lo, hi;

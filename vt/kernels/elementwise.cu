@@ -153,6 +153,48 @@ __device__ __forceinline__ void store_kv8(bf16_t* cache, size_t at, const float*
     store8_e4m3_div(reinterpret_cast<unsigned char*>(cache) + at, r, scale);
 }
 
+// A q row over an fp8 cache, held as 8 values in each of its g lanes (g a power of two, the row's
+// lanes aligned in the warp): rounded to bf16 as store8 would, then to e4m3 x 2^n, n the smallest
+// integer with the row's amax <= 448 x 2^n (as wgq_load_q takes it). Every attention kernel then
+// reads this one query: the e4m3 Q K^T prompt kernel's codes are exact, and the decode kernels'
+// bf16 products of it are the same products. Every lane of the warp calls it (the shuffles);
+// `live` lanes hold a q row's values, the others add nothing to any row's amax.
+__device__ __forceinline__ void round_q_row_e4m3_pow2(float (&r)[8], int g, bool live) {
+    float amax = 0.f;
+    if (live) {
+        for (int e = 0; e < 8; ++e) {
+            r[e] = bf2f(f2bf(r[e]));
+            amax = fmaxf(amax, fabsf(r[e]));
+        }
+    }
+    for (int o = g >> 1; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!live) return;
+    const int n = e4m3_pow2_exponent(amax);
+    const float inv = pow2f(-n), sc = pow2f(n);
+    for (int h = 0; h < 8; h += 4) {
+        const uint2 w = e4m3x4_to_bf16x4(pack4_e4m3(r[h] * inv, r[h + 1] * inv, r[h + 2] * inv, r[h + 3] * inv));
+        r[h] = lo_f(w.x) * sc;
+        r[h + 1] = hi_f(w.x) * sc;
+        r[h + 2] = lo_f(w.y) * sc;
+        r[h + 3] = hi_f(w.y) * sc;
+    }
+}
+
+// q[t, h, :] (rows of d elements at token stride q_stride) rounded in place as
+// round_q_row_e4m3_pow2 rounds them: the prologue's three-op path over an fp8 cache. One warp a
+// row; grid (tokens, heads).
+extern "C" __global__ void round_q_e4m3_pow2_k(bf16_t* __restrict__ q, int q_stride, int d) {
+    bf16_t* row = q + (size_t)blockIdx.x * q_stride + (size_t)blockIdx.y * d;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < d; i += 32) amax = fmaxf(amax, fabsf(bf2f(row[i])));
+    const int n = e4m3_pow2_exponent(warp_max(amax));
+    const float inv = pow2f(-n), sc = pow2f(n);
+    for (int i = threadIdx.x; i < d; i += 32) {
+        const uint2 w = e4m3x4_to_bf16x4(pack4_e4m3(bf2f(row[i]) * inv, 0.f, 0.f, 0.f));
+        row[i] = f2bf(lo_f(w.x) * sc);
+    }
+}
+
 // The attention prologue in one launch (head_rms_norm of q and k, neox rope, write_kv), bit
 // for bit equal to head_rms_norm_k + rope_k + write_kv_k: the same sum order, and bf16 rounding
 // after the norm and after the rotation. Head rows of a token: 0..hq-1 are q heads, then hk k
@@ -167,14 +209,23 @@ __device__ __forceinline__ void store_kv8(bf16_t* cache, size_t at, const float*
 // rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
 // (the input norm, its weight folded into the qkv projection), then bias (may be null) is
 // added, and the rounded values are written back into q, k and v.
-// kv8: the caches take e4m3 codes of the bf16-rounded k / k_scale and v / v_scale, as write_kv_k's.
-extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
-    bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, bf16_t* __restrict__ v,
-    int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,
-    const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache,
-    bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, int hq,
-    int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width, const bf16_t* __restrict__ bias,
-    float k_scale, float v_scale, int kv8) {
+// qk_norm_rope_write_kv8_k, for an fp8 cache: the caches take e4m3 codes of the bf16-rounded
+// k / k_scale and v / v_scale, as write_kv_k's, and each q row is left rounded to e4m3 x 2^n
+// (round_q_row_e4m3_pow2). Two kernels of one body: the rounding's registers would make the
+// bf16 cache's kernel spill.
+#define QK_PROLOGUE_PARAMS                                                                               \
+    bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ k, int k_stride, bf16_t* __restrict__ v,    \
+        int v_stride, const bf16_t* __restrict__ q_norm, const bf16_t* __restrict__ k_norm, float eps,     \
+        const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache, \
+        bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, \
+        int hq, int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width,                          \
+        const bf16_t* __restrict__ bias, float k_scale, float v_scale
+#define QK_PROLOGUE_ARGS                                                                                 \
+    q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,     \
+        slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale
+template <bool KV8>
+__device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
+    constexpr int kv8 = KV8;
     __shared__ float scratch[32];
     __shared__ float rot_c[128], rot_s[128];
     // Attention, launched as a dependent, reads only the K/V this kernel does not write before
@@ -241,19 +292,29 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(
             if (mine && is_v) {  // v head: into the cache (and back into v when scaled)
                 if (prescale) store8(xr + sub * 8, f);
                 if (cache) store_kv8(v_cache, ((size_t)slot * hk + h) * d + sub * 8, f, v_scale, kv8);
-            } else if (mine) {
-                float r[8];
-                for (int e = 0; e < 8; ++e) {
-                    const int i = (first ? sub * 8 : sub * 8 - half) + e;
-                    r[e] = first ? rot_first(f[e], other[e], rot_c[i], rot_s[i])
-                                 : rot_second(other[e], f[e], rot_c[i], rot_s[i]);
-                }
+            }
+            float r[8];  // the rotated q or k row (v rows and dead lanes: unused)
+            for (int e = 0; e < 8; ++e) {
+                const int i = (first ? sub * 8 : sub * 8 - half) + e;
+                r[e] = lane_live ? first ? rot_first(f[e], other[e], rot_c[i], rot_s[i])
+                                         : rot_second(other[e], f[e], rot_c[i], rot_s[i])
+                                 : 0.f;
+            }
+            if constexpr (KV8) round_q_row_e4m3_pow2(r, g, mine && is_q);  // every lane: shuffles
+            if (mine && !is_v) {
                 store8(xr + sub * 8, r);
                 if (!is_q && cache) store_kv8(k_cache, ((size_t)slot * hk + h) * d + sub * 8, r, k_scale, kv8);
             }
             if (more) for (int e = 0; e < 8; ++e) f[e] = fn[e];
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv_k(QK_PROLOGUE_PARAMS) {
+    qk_norm_rope_write_kv_body<false>(QK_PROLOGUE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv8_k(QK_PROLOGUE_PARAMS) {
+    qk_norm_rope_write_kv_body<true>(QK_PROLOGUE_ARGS);
 }
 
 // x[t, :n] = x * s_t + bias in place on token-strided rows, s_t = rsqrt(mean(rms_of[t]^2) + eps)

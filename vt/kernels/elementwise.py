@@ -8,7 +8,7 @@ import cupy
 import numpy as np
 
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
-from vt.kernels.cuda_core import CudaCore, check_rows, kv_cache_args, token_stride
+from vt.kernels.cuda_core import CudaCore, check_rows, is_fp8_cache, kv_cache_args, token_stride
 
 # The kernels these launchers call (bias_add_k is gemm.py's, for a projection's bias).
 KERNELS = {
@@ -19,6 +19,8 @@ KERNELS = {
         "rope_k",
         "write_kv_k",
         "qk_norm_rope_write_kv_k",
+        "qk_norm_rope_write_kv8_k",
+        "round_q_e4m3_pow2_k",
         "silu_mul_k",
         "rms_scale_k",
         "scale_columns_k",
@@ -174,15 +176,16 @@ class ElementwiseOps(CudaCore):
             )
         if t:
             lanes = 1 << (d // 8 - 1).bit_length()  # a row's lanes: the power of two >= d/8
+            k_scale, v_scale, kv8 = kv_cache_args(k_cache, kv_scales)
             self._launch(
-                "qk_norm_rope_write_kv_k",
+                "qk_norm_rope_write_kv8_k" if kv8 else "qk_norm_rope_write_kv_k",
                 self._token_grid(t, -(-(hq + 2 * hk) * lanes // 256)),
                 (256,),
                 (q, _i32(qs), k, _i32(ks), v, _i32(vs), 0 if q_norm is None else q_norm,
                  0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
                  slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d),
                  0 if rms_of is None else rms_of, _i32(0 if rms_of is None else rms_of.shape[1]),
-                 0 if bias is None else bias, *kv_cache_args(k_cache, kv_scales)),
+                 0 if bias is None else bias, k_scale, v_scale),
             )
 
     def _prologue_unfused(
@@ -216,6 +219,9 @@ class ElementwiseOps(CudaCore):
                               0 if bias is None else bias[lo : lo + n]))
         norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                    v_cache, slot_mapping, kv_scales)
+        if is_fp8_cache(k_cache) and t and hq:  # q as the fused kernel leaves it over an fp8 cache
+            self._launch("round_q_e4m3_pow2_k", (t, hq), (32,),
+                         (q, _i32(token_stride(q, "qk_norm_rope_write_kv")), _i32(d)))
 
     def silu_mul(self, x: cupy.ndarray, rms_of: cupy.ndarray | None = None, eps: float = 0.0) -> cupy.ndarray:
         check_rows(x, "silu_mul x")

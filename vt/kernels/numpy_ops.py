@@ -16,7 +16,7 @@ import numpy as np
 
 from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
-from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, to_e4m3
+from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, quantize_rows_pow2, to_e4m3
 from vt.kernels.numpy_matmul import matmul_rows
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
@@ -163,6 +163,8 @@ class NumpyBackend(NumpyFp8Ops):
         with self._counting_into(None if fused else self._ledger()):
             norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                        v_cache, slot_mapping, kv_scales)
+        if k_cache.dtype == E4M3:  # over an fp8 cache every attention kernel reads q as e4m3 x 2^n
+            q[...] = quantize_rows_pow2(q)
 
     @contextlib.contextmanager
     def _counting_into(self, ledger: ArenaLedger | None) -> Iterator[None]:
