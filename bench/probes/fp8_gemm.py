@@ -374,7 +374,7 @@ VARIANTS = {  # name: (A = W scale mode, B = x scale mode, fast accumulation, al
 
 def variants(lt: LtFp8, preset: str, rows_list: list[int], only: list[str] | None = None) -> list[dict]:
     """Every variant (or those named in only), each of cuBLASLt's first 8 heuristic picks: the best
-    time and its index."""
+    time and its index, and the first pick's time (`<variant>_first`)."""
     stream = cupy.cuda.Stream(non_blocking=True)
     out = []
     for name, (n, k) in SHAPES[preset].items():
@@ -401,6 +401,8 @@ def variants(lt: LtFp8, preset: str, rows_list: list[int], only: list[str] | Non
                         if idx == 0:
                             row[vname] = str(exc)[:60]
                         break
+                    if idx == 0:
+                        row[vname + "_first"] = round(t * 1e3, 2)  # us: the pick vt takes
                     if best is None or t < best[0]:
                         best = (t, idx)
                 if best:
