@@ -248,15 +248,21 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
                  : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
         };
         // This lane's 8 elements of the row its group takes at `base` (zeros past the rows).
-        auto load_row = [&](int base, float (&f)[8]) {
+        // (Raw bf16 pairs: a row loaded ahead holds 4 registers, not 8, while the one before is
+        // computed.)
+        auto load_row = [&](int base) -> uint4 {
             const int row = base + (int)threadIdx.x / g;
-            if (lane_live && row < rows) load8(row_at(row) + sub * 8, f);
-            else for (int e = 0; e < 8; ++e) f[e] = 0.f;
+            return lane_live && row < rows ? *reinterpret_cast<const uint4*>(row_at(row) + sub * 8)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+        };
+        auto unpack_row = [](uint4 v, float (&f)[8]) {
+            f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
+            f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
         };
         // The first row is loaded before the token's tables are made, and each later one while
         // the one before is computed: a block's rows are otherwise a chain of dependent loads.
         float f[8];
-        load_row(base0, f);
+        unpack_row(load_row(base0), f);
         const long long slot = slot_mapping[t];
         const bool cache = slot >= 0 && slot < num_slots;
         const float pos = (float)positions[t];
@@ -268,8 +274,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
         // Every lane of a warp runs every iteration (the shuffles need them all).
         for (int base = base0; base < rows; base += base_step) {
             const bool more = base + base_step < rows;
-            float fn[8];
-            if (more) load_row(base + base_step, fn);
+            const uint4 fn = more ? load_row(base + base_step) : make_uint4(0u, 0u, 0u, 0u);
             const int row = base + (int)threadIdx.x / g;
             const bool mine = lane_live && row < rows;
             const bool is_v = row >= hq + hk, is_q = row < hq;
@@ -305,7 +310,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
                 store8(xr + sub * 8, r);
                 if (!is_q && cache) store_kv8(k_cache, ((size_t)slot * hk + h) * d + sub * 8, r, k_scale, kv8);
             }
-            if (more) for (int e = 0; e < 8; ++e) f[e] = fn[e];
+            if (more) unpack_row(fn, f);
         }
     }
 }
