@@ -178,6 +178,70 @@ def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_p
     assert ("add_scaled_rows_k" in launched) == (rows <= limit)
 
 
+@pytest.mark.parametrize(("rows", "on"), [(17, True), (64, True), (256, True), (257, True), (64, False),
+                                          (8, True)])
+def test_gate_up_of_decode_sized_steps_gets_its_scales_in_silu_mul(cb, rows, on, monkeypatch):
+    """mlp_act_fp8 at 17-256 rows: gate_up on the per-tensor kernel with unit scales, its sums given
+    the token's and the channel's scales in silu_mul_quant_scaled_k; elsewhere (past 256 rows, 8
+    rows, or turned off) the outer-vector product then silu_mul_quant_k. Both are the numpy twin's
+    SiLU-mul of the scaled GEMM: codes within one step, the product of codes and scales close."""
+    monkeypatch.setattr(cb, "fp8_unit_gate_up", on)
+    rng = np.random.default_rng(rows + on)
+    inter, k = 384, 1024
+    r = bf16(rng.standard_normal((rows, k)) * 3)
+    norm_w = bf16(rng.uniform(0.5, 1.5, k))
+    wq, ws = f8.quantize_weight_channel(rng.standard_normal((2 * inter, k)).astype(np.float32) * 0.05)
+    ws = ws * np.linspace(1, 3, 2 * inter, dtype=np.float32)  # gate and up read each other's scales: fails
+    weight = cb.upload_fp8(wq, ws)
+    launched = record_launches(cb, monkeypatch)
+    with cb.slot(0):
+        a = cb.mlp_act_fp8(cb.from_host(r, "act"), cb.from_host(norm_w, "act"), 1e-6, None, weight)
+        q, s = host_activation(cb, a)
+    unit = on and 16 < rows <= 256
+    scaled, plain = "silu_mul_quant_scaled_k" in launched, "silu_mul_quant_k" in launched
+    assert scaled == unit and plain != unit, launched
+    xq, xs = f8.rms_norm_quantize(r, norm_w, 1e-6, None)
+    want_q, want_s = f8.silu_mul_quantize(bf16(f8.scaled_gemm(xq, xs, wq, ws)), None)
+    got = q.astype(np.float32) * s
+    want = want_q.astype(np.float32) * want_s
+    assert rel_err(got, want) < 0.07  # e4m3 codes (1/16 a step) of bf16 sums scaled in another order
+
+
+@pytest.mark.parametrize(("rows", "fold"), [(17, True), (64, True), (256, True), (64, False), (8, True),
+                                          (257, True)])
+def test_o_proj_product_is_added_by_the_post_attention_norm(cb, rows, fold, monkeypatch):
+    """linear_fp8_residual(defer=True) at 17-256 rows hands back its unit-scale product, and
+    rms_norm_quant(pending=...) adds it and makes the codes in one launch: the residual rows, codes
+    and scales are the same bits as adding first (add_scaled_rows_k) and norming after. Other row
+    counts, or fp8_fold_add off, add at once and return nothing."""
+    monkeypatch.setattr(cb, "fp8_fold_add", fold)
+    rng = np.random.default_rng(rows + 7 * fold)
+    n = k = 4096
+    x = bf16(rng.standard_normal((rows, k)))
+    wq, ws = f8.quantize_weight_channel(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    weight = cb.upload_fp8(wq, ws * np.arange(1, n + 1, dtype=np.float32) ** 0.5)
+    residual = bf16(rng.standard_normal((rows, n)))
+    norm_w = cb.from_host(bf16(rng.uniform(0.2, 2.0, n)), "act")
+    two_r, one_r = cb.from_host(residual, "act"), cb.from_host(residual, "act")
+    with cb.slot(0):
+        cb.linear_fp8_residual(cb.quantize_fp8(cb.from_host(x, "act"), None), weight, two_r)
+        two = cb.rms_norm_quant(two_r, norm_w, 1e-6, None)
+        two_q, two_s = cb.to_host(two.q), cb.to_host(two.scale)
+    launched = record_launches(cb, monkeypatch)
+    with cb.slot(0):
+        xa = cb.quantize_fp8(cb.from_host(x, "act"), None)
+        pending = cb.linear_fp8_residual(xa, weight, one_r, defer=True)
+        one = cb.rms_norm_quant(one_r, norm_w, 1e-6, None, pending)
+        one_q, one_s = cb.to_host(one.q), cb.to_host(one.scale)
+    folded = fold and 16 < rows <= 256
+    assert (pending is not None) == folded
+    assert ("add_scaled_rms_norm_quant_k" in launched) == folded, launched
+    assert "add_scaled_rows_k" not in launched or not folded, launched
+    np.testing.assert_array_equal(cb.to_host(one_r), cb.to_host(two_r))
+    np.testing.assert_array_equal(one_q, two_q)
+    np.testing.assert_array_equal(one_s, two_s)
+
+
 # ---- whole models ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,15 @@ _KERNELS = {
     "silu_mul_quant_k": ("const bf16_t* x, unsigned char* q, float* scale, int inter, int group, "
                          "int scale_ld",
                          "x, q, scale, inter, group, scale_ld", [_P, _P, _P, _I, _I, _I]),
+    "silu_mul_quant_scaled_k": ("const bf16_t* y, const float* xs, const float* ws, unsigned char* q, "
+                                "float* scale, int inter", "y, xs, ws, q, scale, inter",
+                                [_P, _P, _P, _P, _P, _I]),
     "add_scaled_rows_k": ("bf16_t* r, const bf16_t* y, const float* xs, const float* ws, int n, "
                           "long long chunks", "r, y, xs, ws, n, chunks", [_P, _P, _P, _P, _I, _LL]),
+    "add_scaled_rms_norm_quant_k": ("bf16_t* r, const bf16_t* y, const float* xs, const float* ws, "
+                                    "const bf16_t* w, float eps, unsigned char* q, float* scale, int k",
+                                    "r, y, xs, ws, w, eps, q, scale, k",
+                                    [_P, _P, _P, _P, _P, _F, _P, _P, _I]),
 }
 
 
@@ -185,6 +192,24 @@ def test_silu_mul_quant_kernel_matches_numpy(lib, rows, inter, group):
     _codes_agree(q, want_q)
 
 
+# gate_up of a 17-256-row step with unit scales (fp8.mlp_act_fp8): SiLU-mul gives the sums their
+# token's and channel's scales as it reads them, then quantizes per token (held rows up to 16384).
+@pytest.mark.parametrize(("rows", "inter"), [(3, 8 * 50), (17, 12288), (2, 16384 + 64)])
+def test_silu_mul_quant_scaled_kernel_scales_the_unit_product(lib, rows, inter):
+    rng = np.random.default_rng(rows + inter)
+    y = _bf16(rng.standard_normal((rows, 2 * inter)) * 2000)  # sums of e4m3 code products
+    xs = rng.uniform(1e-3, 1e-1, rows).astype(np.float32)
+    ws = (rng.uniform(1e-4, 1e-2, 2 * inter) * np.linspace(1, 3, 2 * inter)).astype(np.float32)
+    q, scale, _ = _outputs(rows, inter, None)
+    yb = _bits(y)
+    rc = lib.sim_silu_mul_quant_scaled_k(rows, 1, 1, 256, 0, yb.ctypes.data, xs.ctypes.data, ws.ctypes.data,
+                                         q.ctypes.data, scale.ctypes.data, inter)
+    assert rc == 0
+    want_q, want_s = f8.silu_mul_quantize(y * (xs[:, None] * ws[None, :]), None)
+    np.testing.assert_allclose(scale[:rows], want_s[:, 0], rtol=1e-5)
+    _codes_agree(q, want_q)
+
+
 # The unit-scale fp8 GEMM's epilogue (fp8.py, quantized.unit_scale_rows): each value of the product y
 # times its token's and its channel's scale, added to the residual row by one fused multiply-add and
 # rounded once to bf16. The reference does the multiply-add in float64 (exact for the product of two
@@ -205,3 +230,30 @@ def test_add_scaled_rows_kernel_applies_both_scales_after_the_product(lib, rows,
     want = _bf16((y.astype(np.float64) * scale.astype(np.float64) + r.astype(np.float64)).astype(np.float32))
     got = rb.view(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+# o_proj's unit-scale product added by the post-attention norm (fp8.py's fp8_fold_add): the residual
+# rows and the codes are the same bits as add_scaled_rows_k then rms_norm_quant_k.
+@pytest.mark.parametrize(("rows", "k"), [(1, 64), (17, 4096), (3, 200 * 8)])
+def test_add_scaled_rms_norm_quant_is_the_add_then_the_norm(lib, rows, k):
+    rng = np.random.default_rng(rows + k)
+    r = _bf16(rng.standard_normal((rows, k)) * 3)
+    y = _bf16(rng.standard_normal((rows, k)) * 2000)
+    xs = rng.uniform(1e-3, 1e-1, rows).astype(np.float32)
+    ws = rng.uniform(1e-4, 1e-2, k).astype(np.float32)
+    w = _bf16(rng.uniform(0.2, 2.0, k))
+    r_two, r_one, yb, wb = _bits(r), _bits(r), _bits(y), _bits(w)
+    q_two, s_two, _ = _outputs(rows, k, None)
+    q_one, s_one, _ = _outputs(rows, k, None)
+    chunks = rows * k // 8
+    assert lib.sim_add_scaled_rows_k(-(-chunks // 256), 1, 1, 256, 0, r_two.ctypes.data, yb.ctypes.data,
+                                     xs.ctypes.data, ws.ctypes.data, k, chunks) == 0
+    assert lib.sim_rms_norm_quant_k(rows, 1, 1, 256, 0, r_two.ctypes.data, wb.ctypes.data, 1e-6,
+                                    q_two.ctypes.data, s_two.ctypes.data, k, 0, rows) == 0
+    assert lib.sim_add_scaled_rms_norm_quant_k(rows, 1, 1, 256, 0, r_one.ctypes.data, yb.ctypes.data,
+                                               xs.ctypes.data, ws.ctypes.data, wb.ctypes.data, 1e-6,
+                                               q_one.ctypes.data, s_one.ctypes.data, k) == 0
+    np.testing.assert_array_equal(r_one, r_two)
+    np.testing.assert_array_equal(q_one, q_two)
+    np.testing.assert_array_equal(s_one, s_two)
+    assert not np.array_equal(r_one, _bits(r))  # the product was added

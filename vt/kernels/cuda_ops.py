@@ -9,7 +9,12 @@ from __future__ import annotations
 from vt.kernels import attention, elementwise, fp8, gemm, sampling
 from vt.kernels.attention import AttentionOps, requested_prefill_tiling
 from vt.kernels.elementwise import ElementwiseOps
-from vt.kernels.fp8 import Fp8Ops, requested_fp8_per_tensor_rows
+from vt.kernels.fp8 import (
+    Fp8Ops,
+    requested_fp8_fold_add,
+    requested_fp8_per_tensor_rows,
+    requested_fp8_unit_gate_up,
+)
 from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens
 from vt.kernels.sampling import SamplingOps
 
@@ -18,7 +23,10 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     """base.Backend on one GPU; prefill_tiling (or VT_PREFILL_TILING) picks the prompt attention
     tiling (attention_plan.PREFILL_TILINGS); gemv_max_tokens (or VT_GEMV_MAX_TOKENS) the largest
     step whose projections run on gemv.cu; fp8_per_tensor_rows (or VT_FP8_PER_TENSOR_ROWS) the
-    largest whose fp8 residual projections take unit-scale GEMMs (quantized.unit_scale_rows)."""
+    largest whose fp8 residual projections take unit-scale GEMMs (quantized.unit_scale_rows);
+    VT_FP8_FOLD_ADD=0 adds o_proj's unit-scale product in a launch of its own rather than in the
+    post-attention norm (fp8.linear_fp8_residual);
+    VT_FP8_UNIT_GATE_UP=0 keeps gate_up of such steps on the outer-vector kernel (fp8.mlp_act_fp8)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None,
@@ -26,6 +34,8 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
         requested = requested_prefill_tiling(prefill_tiling)
         self.gemv_max_tokens = requested_gemv_max_tokens(gemv_max_tokens)
         self.fp8_per_tensor_rows = requested_fp8_per_tensor_rows(fp8_per_tensor_rows)
+        self.fp8_fold_add = requested_fp8_fold_add(None)
+        self.fp8_unit_gate_up = requested_fp8_unit_gate_up(None)
         kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **gemm.KERNELS,
                    **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)

@@ -45,6 +45,25 @@ struct RowSource {
     }
 };
 
+// SiLU-mul's 8 values of chunk c from a unit-scale gate_up product (bf16 sums of the codes'
+// products): gate and up each times the token's scale and its channel's, then silu(gate) * up.
+struct ScaledSiluSource {
+    const bf16_t* gate;
+    const bf16_t* up;
+    const float* gate_scale;  // the weight's channel scales of the gate half
+    const float* up_scale;    // and of the up half
+    float rs;                 // the token's activation scale
+    __device__ __forceinline__ void load(int c, float* f) const {
+        float u[8];
+        load8(gate + c, f);
+        load8(up + c, u);
+        for (int e = 0; e < 8; ++e) {
+            const float g = f[e] * (rs * gate_scale[c + e]);
+            f[e] = __fdividef(g, 1.f + __expf(-g)) * (u[e] * (rs * up_scale[c + e]));
+        }
+    }
+};
+
 // Chunks of 8 a thread keeps in registers between a row's amax and its quantization: rows of up to
 // FP8_THREADS * 8 * FP8_ROW_CHUNKS values (16384) are read once, all of a thread's loads issued
 // before their values are needed. Only SiLU-mul holds its rows (HOLD): down_proj's 12288-wide input
@@ -82,8 +101,8 @@ __device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __re
 
 // One block a row of width k: amax, then the quantized row (HOLD: held in registers where it fits;
 // otherwise a second read of the row, from cache).
-template <bool HOLD>
-__device__ void quantize_row(const RowSource& src, unsigned char* __restrict__ q, float* __restrict__ scale,
+template <bool HOLD, class Source = RowSource>
+__device__ void quantize_row(const Source& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
     if (HOLD && row_held(group, k)) {
         float f[FP8_ROW_CHUNKS][8];
@@ -162,6 +181,20 @@ extern "C" __global__ void silu_mul_quant_k(const bf16_t* __restrict__ x, unsign
     quantize_row<true>(src, q + (size_t)row * inter, scale, row, inter, group, scale_ld, scratch);
 }
 
+// down_proj's input from a unit-scale gate_up product y (fp8.py's 17-256-row path): q, scale <-
+// silu(y[r, :inter] * xs[r] * ws[:inter]) * (y[r, inter:] * xs[r] * ws[inter:]), per-token codes.
+// Grid: rows.
+extern "C" __global__ void silu_mul_quant_scaled_k(const bf16_t* __restrict__ y, const float* __restrict__ xs,
+                                                   const float* __restrict__ ws, unsigned char* __restrict__ q,
+                                                   float* __restrict__ scale, int inter) {
+    grid_dependents_go();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    const bf16_t* yr = y + (size_t)row * 2 * inter;
+    const ScaledSiluSource src{yr, yr + inter, ws, ws + inter, xs[row]};
+    quantize_row<true>(src, q + (size_t)row * inter, scale, row, inter, 0, 0, scratch);
+}
+
 // y += x elementwise over chunks of 8 bf16 (rounded once): a block-scaled product computed for
 // padded rows, added to the residual stream's real rows.
 extern "C" __global__ void add_rows_k(bf16_t* __restrict__ y, const bf16_t* __restrict__ x, long long chunks) {
@@ -190,4 +223,33 @@ extern "C" __global__ void add_scaled_rows_k(bf16_t* __restrict__ r, const bf16_
     const float xs = x_scale[t];
     for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * w_scale[col + e], a[e]);
     store8(r + i, a);
+}
+
+// The post-attention norm of a 17-256-row step whose o_proj ran with unit scales (fp8.py): r[t] +=
+// y[t] * (x_scale[t] * w_scale) as add_scaled_rows_k adds it, then rms_norm_quant_k of the new
+// row (per-token codes), by the same arithmetic: the same bits as those two kernels, one launch
+// fewer. r is not restrict: it is read back after the add. Grid: rows; k a multiple of 8.
+extern "C" __global__ void add_scaled_rms_norm_quant_k(bf16_t* r, const bf16_t* __restrict__ y,
+                                                       const float* __restrict__ x_scale,
+                                                       const float* __restrict__ w_scale,
+                                                       const bf16_t* __restrict__ weight, float eps,
+                                                       unsigned char* __restrict__ q, float* __restrict__ scale,
+                                                       int k) {
+    grid_dependents_go();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    bf16_t* rr = r + (size_t)row * k;
+    const bf16_t* yr = y + (size_t)row * k;
+    const float xs = x_scale[row];
+    for (int c = threadIdx.x * 8; c < k; c += FP8_THREADS * 8) {
+        float a[8], b[8];
+        load8(rr + c, a);
+        load8(yr + c, b);
+        for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * w_scale[c + e], a[e]);
+        store8(rr + c, a);
+    }
+    // row_inv_rms and quantize_row read the row in the loop's own pattern: each thread reads back
+    // only the chunks it stored, so no barrier is needed between.
+    const RowSource src{rr, nullptr, weight, row_inv_rms(rr, k, eps, scratch)};
+    quantize_row<false>(src, q + (size_t)row * k, scale, row, k, 0, 0, scratch);
 }

@@ -15,12 +15,34 @@ import numpy as np
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
 from vt.kernels.gemm import launch_gemv
-from vt.kernels.quantized import UNIT_SCALE_MAX_ROWS, Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
+from vt.kernels.quantized import (
+    UNIT_SCALE_MAX_ROWS,
+    Fp8Activation,
+    Fp8Weight,
+    PendingResidual,
+    gemm_rows,
+    unit_scale_rows,
+)
 
-KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "add_rows_k",
-                      "add_scaled_rows_k")}
+KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "silu_mul_quant_scaled_k",
+                      "add_rows_k", "add_scaled_rows_k", "add_scaled_rms_norm_quant_k")}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
+
+
+def requested_fp8_unit_gate_up(value: bool | None) -> bool:
+    """Whether gate_up of 17-256-row steps runs with unit scales, the scales given in SiLU-mul
+    (mlp_act_fp8): the argument, or for benchmarks that start vt as a server VT_FP8_UNIT_GATE_UP
+    (0 or 1), else yes."""
+    return requested_count(None if value is None else int(value), "VT_FP8_UNIT_GATE_UP", 1, 1) == 1
+
+
+def requested_fp8_fold_add(value: bool | None) -> bool:
+    """Whether o_proj's unit-scale product is added to the residual stream by the post-attention
+    norm that reads it (add_scaled_rms_norm_quant_k, one launch) rather than by add_scaled_rows_k
+    before it: the argument, or for benchmarks that start vt as a server VT_FP8_FOLD_ADD (0 or 1),
+    else on."""
+    return requested_count(None if value is None else int(value), "VT_FP8_FOLD_ADD", 1, 1) == 1
 
 
 def requested_fp8_per_tensor_rows(value: int | None) -> int:
@@ -34,6 +56,8 @@ class Fp8Ops(CudaCore):
     _fp8_gemm: CublasLtFp8 | None = None
     _unit_scale: cupy.ndarray | None = None  # f32[1] = 1.0: both scales of a unit-scale GEMM
     fp8_per_tensor_rows: int = UNIT_SCALE_MAX_ROWS
+    fp8_fold_add: bool = True
+    fp8_unit_gate_up: bool = True
 
     def _lt(self) -> CublasLtFp8:
         # Made at the first fp8 weight (setup, outside any capture): bf16 models never load it.
@@ -99,11 +123,22 @@ class Fp8Ops(CudaCore):
         return a
 
     def rms_norm_quant(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float,
-                       group: int | None) -> Fp8Activation:
+                       group: int | None, pending: PendingResidual | None = None) -> Fp8Activation:
+        """The input norm's codes of x; a pending product is added to x first (x is the residual
+        stream), in the same launch."""
         check_rows(x, "rms_norm_quant x")
         t, k = x.shape
         code = self._group_code(group, k)
         a = self._activation(t, k, group)
+        if pending is not None:
+            if group is not None or pending.product.shape != (t, k) or not x.flags.c_contiguous:
+                raise ValueError(f"rms_norm_quant: a pending product {pending.product.shape} needs "
+                                 f"contiguous per-token rows {(t, k)}")
+            if t:
+                args = (x, pending.product, pending.x_scale, pending.w_scale, weight, _f32(eps), a.q, a.scale,
+                        _i32(k))
+                self._launch("add_scaled_rms_norm_quant_k", (t,), (_THREADS,), args)
+            return a
         if t:
             self._launch("rms_norm_quant_k", (t,), (_THREADS,),
                          (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0])))
@@ -127,30 +162,63 @@ class Fp8Ops(CudaCore):
         t, n = x.rows, w.q.shape[0]
         y = self._out((x.q.shape[0], n), np.uint16)
         self._fp8_gemm_into(x, w, y, accumulate=False)
-        y = y[:t]
+        return self._bias_added(y[:t], bias)
+
+    def _bias_added(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
+        t, n = y.shape
         if bias is not None and t:
             if n % 8:
                 raise ValueError(f"bias width {n} must be a multiple of 8")
             self._launch("bias_add_k", (-(-(t * n // 8) // 256),), (256,), (y, bias, _i32(t), _i32(n)))
         return y
 
-    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
+    def mlp_act_fp8(self, r: cupy.ndarray, weight: cupy.ndarray, eps: float, group: int | None,
+                    w: Fp8Weight, pending: PendingResidual | None = None) -> Fp8Activation:
+        """down_proj's input: silu_mul_quant(linear_fp8(rms_norm_quant(r, weight, eps, group,
+        pending), w, None), group), w the stacked gate and up. Steps of 17-256 rows
+        (quantized.unit_scale_rows, up to fp8_per_tensor_rows, unless fp8_unit_gate_up is off) run
+        gate_up on the per-tensor kernel with unit scales and give its sums both scales in
+        silu_mul_quant_scaled_k: the same buffers as the other path, the outer-vector kernel's
+        extra time at those rows saved."""
+        check_rows(r, "mlp_act_fp8 r")
+        t = r.shape[0]
+        n = w.q.shape[0]
+        x = self.rms_norm_quant(r, weight, eps, group, pending)
+        unit = self.fp8_unit_gate_up and unit_scale_rows(t, group) and n % 16 == 0
+        if not (unit and self._unit_scales_fit(x, w)):
+            return self.silu_mul_quant(self.linear_fp8(x, w, None), group)
+        y = self._unit_scale_product(x, w)
+        inter = n // 2
+        a = self._activation(t, inter, group)
+        args = (y, x.scale, w.scale, a.q, a.scale, _i32(inter))
+        self._launch("silu_mul_quant_scaled_k", (t,), (_THREADS,), args)
+        return a
+
+    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray,
+                            defer: bool = False) -> PendingResidual | None:
+        """residual += x @ w^T (both scales). With defer, a unit-scale product (17-256 rows) may
+        be returned instead of added, for the next norm of the residual stream to add
+        (rms_norm_quant's pending; only while fp8_fold_add): the caller must pass it on before
+        anything else reads the residual stream."""
         check_rows(residual, "linear_fp8_residual residual")
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not {(t, n)}")
         if self._unit_scales_fit(x, w) and residual.flags.c_contiguous:
+            if defer and self.fp8_fold_add:
+                return PendingResidual(self._unit_scale_product(x, w), x.scale, w.scale)
             self._residual_unit_scales(x, w, residual)
-            return
+            return None
         if x.q.shape[0] == t or self._gemv_fits(x, x.q.shape[1]):  # the GEMV runs the real rows only
             self._fp8_gemm_into(x, w, residual, accumulate=True)
-            return
+            return None
         # padded rows (block scales): the product lands beside the residual, then is added to it
         y = self._out((x.q.shape[0], n), np.uint16)
         self._fp8_gemm_into(x, w, y, accumulate=False)
         if t:
             chunks = t * n // 8
             self._launch("add_rows_k", (-(-chunks // 256),), (256,), (residual, y, np.int64(chunks)))
+        return None
 
     def _fp8_gemm_into(self, x: Fp8Activation, w: Fp8Weight, y: cupy.ndarray, accumulate: bool) -> None:
         t, k = x.q.shape  # the GEMM's rows, padded ones included
@@ -174,8 +242,9 @@ class Fp8Ops(CudaCore):
         return (unit_scale_rows(x.rows, x.group) and x.rows <= self.fp8_per_tensor_rows and not w.block
                 and x.q.shape[0] == x.rows and w.q.shape[1] == x.q.shape[1] and w.q.shape[0] % 8 == 0)
 
-    def _residual_unit_scales(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
-        """residual += x @ w^T with both scales applied after the product (add_scaled_rows_k)."""
+    def _unit_scale_product(self, x: Fp8Activation, w: Fp8Weight) -> cupy.ndarray:
+        """bf16 sums of the codes' products, x @ w^T with unit scales (the per-tensor kernel): the
+        caller applies the token's and the channel's scales."""
         t, k = x.q.shape
         n = w.q.shape[0]
         y = self._out((t, n), np.uint16)
@@ -184,6 +253,12 @@ class Fp8Ops(CudaCore):
         stream = cupy.cuda.get_current_stream().ptr
         lt.linear(stream, x.q.data.ptr, unit, w.q.data.ptr, unit, y.data.ptr, t, n, k, False, False,
                   gemm.workspace_ptr, gemm.workspace_bytes, sm_target=gemm.sm_count_target, per_tensor=True)
+        return y
+
+    def _residual_unit_scales(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
+        """residual += x @ w^T with both scales applied after the product (add_scaled_rows_k)."""
+        t, n = x.q.shape[0], w.q.shape[0]
+        y = self._unit_scale_product(x, w)
         chunks = t * n // 8
         self._launch("add_scaled_rows_k", (-(-chunks // 256),), (256,),
                      (residual, y, x.scale, w.scale, _i32(n), np.int64(chunks)))

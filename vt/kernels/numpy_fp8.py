@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from vt.kernels.numpy_matmul import matmul_rows
-from vt.kernels.quantized import Fp8Activation, Fp8Weight, gemm_rows, unit_scale_rows
+from vt.kernels.quantized import Fp8Activation, Fp8Weight, PendingResidual, gemm_rows, unit_scale_rows
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)
@@ -157,7 +157,8 @@ class NumpyFp8Ops:
         return Fp8Activation(*quantize(x, group), group, t)
 
     def rms_norm_quant(self, x: np.ndarray, weight: np.ndarray, eps: float,
-                       group: int | None) -> Fp8Activation:
+                       group: int | None, pending: PendingResidual | None = None) -> Fp8Activation:
+        _no_pending(pending)
         t, k = x.shape
         self._took_activation(t, k, group)
         return Fp8Activation(*rms_norm_quantize(x, weight, eps, group), group, t)
@@ -172,7 +173,17 @@ class NumpyFp8Ops:
         y = scaled_gemm(x.q, x.scale, w.q, w.scale)
         return y if bias is None else y + bias
 
-    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray) -> None:
+    def mlp_act_fp8(self, r: np.ndarray, weight: np.ndarray, eps: float, group: int | None,
+                    w: Fp8Weight, pending: PendingResidual | None = None) -> Fp8Activation:
+        """down_proj's input: SiLU-mul of the normed gate_up projection, quantized (CUDA gives a
+        17-256-row step's unit-scale sums their scales inside SiLU-mul, with the same buffers)."""
+        x = self.rms_norm_quant(r, weight, eps, group, pending)
+        return self.silu_mul_quant(self.linear_fp8(x, w, None), group)
+
+    def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray,
+                            defer: bool = False) -> PendingResidual | None:
+        """residual += x @ w^T, added at once (CUDA may hand a deferred product to the next norm,
+        which adds it with the same arithmetic, so the twin never defers)."""
         # CUDA's padded GEMM, and its unit-scale one, land in a buffer first
         if gemm_rows(x.rows, x.group) != x.rows or unit_scale_rows(x.rows, x.group):
             self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
@@ -180,6 +191,12 @@ class NumpyFp8Ops:
             raise ValueError(f"linear_fp8_residual: residual {residual.shape} is not "
                              f"{(x.q.shape[0], w.q.shape[0])}")
         residual += scaled_gemm(x.q, x.scale, w.q, w.scale)
+        return None
+
+
+def _no_pending(pending: PendingResidual | None) -> None:
+    if pending is not None:  # the twin's residual projections add at once and never return one
+        raise ValueError("the numpy backend takes no pending residual product")
 
 
 def quantize_rows_pow2(x: np.ndarray) -> np.ndarray:

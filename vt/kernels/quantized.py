@@ -39,6 +39,16 @@ class Fp8Activation:
     rows: int              # T, the tokens it holds
 
 
+@dataclass(frozen=True)
+class PendingResidual:
+    """A residual projection's unit-scale product not yet added to the residual stream: the norm
+    that next reads the stream adds it first (residual[t, n] += product[t, n] * x_scale[t] *
+    w_scale[n]), in its own launch (CUDA's fused norm; vt.kernels.fp8)."""
+    product: Array   # bf16 [T, N], in the step's arena
+    x_scale: Array   # f32 [T]
+    w_scale: Array   # f32 [N]
+
+
 def gemm_rows(rows: int, group: int | None) -> int:
     """Rows an fp8 GEMM runs for `rows` tokens: cuBLASLt's block-scaled kernels take their
     activation scales group-major, each group's rows 16-byte aligned, so they need a multiple of 4

@@ -15,8 +15,10 @@ do the all-reduce and the all-gather where the split needs them.
 
 With fp8 weights (vt.model.quantization) the norms are not folded: a projection's input is the
 norm's output quantized per token (and per 128 columns for block-scaled weights) in the norm's
-own kernel (rms_norm_quant), SiLU-mul quantizes what it writes, and the attention output is
-quantized before o_proj; the GEMMs run on fp8 operands with fp32 accumulation.
+own kernel (rms_norm_quant), SiLU-mul quantizes what it writes (mlp_act_fp8), and the attention
+output is quantized before o_proj; the GEMMs run on fp8 operands with fp32 accumulation. Where
+o_proj's product lands in a buffer of its own (CUDA, 17-256 rows), the post-attention norm adds it
+to the residual stream as it reads the stream (linear_fp8_residual(defer=True)).
 
 With an fp8 KV cache (--kv-cache-dtype fp8) each layer's cache holds e4m3 codes of k / k_scale
 and v / v_scale, per-tensor scales that are the checkpoint's (k_scale / v_scale) or 1.0, as vLLM
@@ -243,9 +245,11 @@ class Transformer:
         o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                       self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
                       follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
-        ops.linear_fp8_residual(ops.quantize_fp8(o.reshape(t, self.q_dim), group), layer.o_proj, r)
-        gate_up = ops.linear_fp8(ops.rms_norm_quant(r, layer.post_norm, eps, group), layer.gate_up, None)
-        ops.linear_fp8_residual(ops.silu_mul_quant(gate_up, group), layer.down, r)
+        # o_proj's product may come back un-added: the post-attention norm adds it (one launch)
+        o_q = ops.quantize_fp8(o.reshape(t, self.q_dim), group)
+        pending = ops.linear_fp8_residual(o_q, layer.o_proj, r, defer=True)
+        act = ops.mlp_act_fp8(r, layer.post_norm, eps, group, layer.gate_up, pending=pending)
+        ops.linear_fp8_residual(act, layer.down, r)
 
     def head(self, r: Array, logits_indices: Array) -> Any:
         """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
