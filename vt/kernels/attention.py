@@ -25,7 +25,7 @@ from vt.kernels.attention_plan import (
     max_splits_within,
 )
 from vt.kernels.cascade_plan import cascade_scratch, cascade_splits_within
-from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, requested_count, token_stride
+from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, requested_switch, token_stride
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
 # Each kernel and its twin reading an fp8 (e4m3) KV cache (KV8_SUFFIX).
@@ -72,7 +72,7 @@ class AttentionOps(CudaCore):
         self._arch_modules: list[Any] = []
         # Prompts over an fp8 cache run Q K^T in e4m3 (attention_wgq) unless VT_KV8_QK8=0: the
         # prologue leaves q rounded to e4m3 x 2^n, so every kernel reads the same query
-        self.kv8_qk8 = requested_count(None, "VT_KV8_QK8", 1, 1) == 1
+        self.kv8_qk8 = requested_switch("VT_KV8_QK8")
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
         self._occupancy: dict[tuple[str, int, int], int] = {}

@@ -47,6 +47,13 @@ def requested_count(value: int | None, env: str, default: int, limit: int) -> in
     return value
 
 
+def requested_switch(env: str) -> bool:
+    """An on/off backend knob, on unless the environment variable `env` is 0 (benchmarks that
+    start vt as a server use it to compare a path with the one it replaced); ValueError naming
+    `env` for anything but 0 or 1."""
+    return requested_count(None, env, 1, 1) == 1
+
+
 def bf16_bits(host: np.ndarray) -> np.ndarray:
     """Host float32 / float16 / bfloat16 (or uint16 bf16 bits, as the loader keeps them) -> uint16 bits."""
     if host.dtype == np.uint16:

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from vt.kernels import attention, elementwise, fp8, gemm, sampling
 from vt.kernels.attention import AttentionOps, requested_prefill_tiling
+from vt.kernels.cuda_core import requested_switch
 from vt.kernels.elementwise import ElementwiseOps
-from vt.kernels.fp8 import (
-    Fp8Ops,
-    requested_fp8_fold_add,
-    requested_fp8_per_tensor_rows,
-    requested_fp8_unit_gate_up,
-)
+from vt.kernels.fp8 import Fp8Ops, requested_fp8_per_tensor_rows
 from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens
 from vt.kernels.sampling import SamplingOps
 
@@ -34,8 +30,8 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
         requested = requested_prefill_tiling(prefill_tiling)
         self.gemv_max_tokens = requested_gemv_max_tokens(gemv_max_tokens)
         self.fp8_per_tensor_rows = requested_fp8_per_tensor_rows(fp8_per_tensor_rows)
-        self.fp8_fold_add = requested_fp8_fold_add(None)
-        self.fp8_unit_gate_up = requested_fp8_unit_gate_up(None)
+        self.fp8_fold_add = requested_switch("VT_FP8_FOLD_ADD")
+        self.fp8_unit_gate_up = requested_switch("VT_FP8_UNIT_GATE_UP")
         kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **gemm.KERNELS,
                    **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)

@@ -30,21 +30,6 @@ _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
 
 
-def requested_fp8_unit_gate_up(value: bool | None) -> bool:
-    """Whether gate_up of 17-256-row steps runs with unit scales, the scales given in SiLU-mul
-    (mlp_act_fp8): the argument, or for benchmarks that start vt as a server VT_FP8_UNIT_GATE_UP
-    (0 or 1), else yes."""
-    return requested_count(None if value is None else int(value), "VT_FP8_UNIT_GATE_UP", 1, 1) == 1
-
-
-def requested_fp8_fold_add(value: bool | None) -> bool:
-    """Whether o_proj's unit-scale product is added to the residual stream by the post-attention
-    norm that reads it (add_scaled_rms_norm_quant_k, one launch) rather than by add_scaled_rows_k
-    before it: the argument, or for benchmarks that start vt as a server VT_FP8_FOLD_ADD (0 or 1),
-    else on."""
-    return requested_count(None if value is None else int(value), "VT_FP8_FOLD_ADD", 1, 1) == 1
-
-
 def requested_fp8_per_tensor_rows(value: int | None) -> int:
     """The most rows whose residual projections take the unit-scale path (quantized.unit_scale_rows;
     0: never): the argument, or for benchmarks that start vt as a server VT_FP8_PER_TENSOR_ROWS,
@@ -181,8 +166,7 @@ class Fp8Ops(CudaCore):
         t = r.shape[0]
         n = w.q.shape[0]
         x = self.rms_norm_quant(r, weight, eps, group, pending)
-        unit = self.fp8_unit_gate_up and unit_scale_rows(t, group) and n % 16 == 0
-        if not (unit and self._unit_scales_fit(x, w)):
+        if not (self.fp8_unit_gate_up and n % 16 == 0 and self._unit_scales_fit(x, w)):
             return self.silu_mul_quant(self.linear_fp8(x, w, None), group)
         y = self._unit_scale_product(x, w)
         inter = n // 2
