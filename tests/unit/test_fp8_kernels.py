@@ -105,8 +105,8 @@ def test_block_scaled_gemm_pairs_128x128_weight_blocks_with_128_wide_activation_
     assert ws.shape == (2, 3)
     xq, xs = f8.quantize(x, 128)
     y = f8.scaled_gemm(xq, xs, wq, ws)
-    np.testing.assert_allclose(y, f8.dequantize(xq, xs, 128) @ f8.dequantize_weight(wq, ws).T, rtol=1e-5,
-                               atol=1e-4)
+    want = f8.dequantize(xq, xs, 128).astype(np.float64) @ f8.dequantize_weight(wq, ws).T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="block"):
         f8.scaled_gemm(*f8.quantize(x), wq, ws)
 
