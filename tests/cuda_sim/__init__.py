@@ -117,9 +117,11 @@ _ELEMENT_KERNELS = {
         "bf16_t* q, int q_stride, bf16_t* k, int k_stride, bf16_t* v, int v_stride, const bf16_t* q_norm, "
         "const bf16_t* k_norm, float eps, const int* positions, const float* inv_freq, bf16_t* k_cache, "
         "bf16_t* v_cache, const int* slot_mapping, long long num_slots, int tokens, int hq, int hk, int d, "
-        "const bf16_t* rms_of, int rms_width, const bf16_t* bias, float k_scale, float v_scale",
+        "const bf16_t* rms_of, int rms_width, const bf16_t* bias, float k_scale, float v_scale, "
+        "const float* x_scale, const float* w_scale",
         "q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache, "
-        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale")
+        "slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale, x_scale, "
+        "w_scale")
        for name in ("qk_norm_rope_write_kv_k", "qk_norm_rope_write_kv8_k")},
     "round_q_e4m3_pow2_k": ("bf16_t* q, int q_stride, int d", "q, q_stride, d"),
     "write_kv_k": (

@@ -178,15 +178,61 @@ def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_p
     assert ("add_scaled_rows_k" in launched) == (rows <= limit)
 
 
-@pytest.mark.parametrize(("rows", "on"), [(17, True), (64, True), (256, True), (257, True), (64, False),
-                                          (8, True)])
-def test_gate_up_of_decode_sized_steps_gets_its_scales_in_silu_mul(cb, rows, on, monkeypatch):
-    """mlp_act_fp8 at 17-256 rows: gate_up on the per-tensor kernel with unit scales, its sums given
-    the token's and the channel's scales in silu_mul_quant_scaled_k; elsewhere (past 256 rows, 8
-    rows, or turned off) the outer-vector product then silu_mul_quant_k. Both are the numpy twin's
-    SiLU-mul of the scaled GEMM: codes within one step, the product of codes and scales close."""
-    monkeypatch.setattr(cb, "fp8_unit_gate_up", on)
-    rng = np.random.default_rng(rows + on)
+@pytest.mark.parametrize(("rows", "limit", "d"), [(17, 1 << 30, 128), (300, 1 << 30, 128), (300, 256, 128),
+                                                (64, 0, 128), (8, 1 << 30, 128), (40, 1 << 30, 72)])
+def test_qkv_sums_get_their_scales_in_the_prologue(cb, rows, limit, d, monkeypatch):
+    """linear_fp8_defer past the GEMV's rows, up to fp8_unit_qkv_rows: the per-tensor kernel's
+    unit-scale sums and their scales, which qk_norm_rope_write_kv applies before the head norms
+    (d=72: its three-op path); q, k, v and the cache as the numpy twin's prologue over the scaled
+    GEMM. Elsewhere the outer-vector product (or the GEMV) and no scales."""
+    monkeypatch.setattr(cb, "fp8_unit_qkv_rows", limit)
+    rng = np.random.default_rng(rows + d + limit % 7)
+    hq, hk, k, nblk, bs = 4, 2, 512, (rows + 3) // 4 + 1, 4
+    width = (hq + 2 * hk) * d
+    x = bf16(rng.standard_normal((rows, k)) * 3)
+    wq, ws = f8.quantize_weight_channel(rng.standard_normal((width, k)).astype(np.float32) * 0.05)
+    ws = ws * np.linspace(1, 4, width, dtype=np.float32)  # a column scale read from the wrong place shows
+    weight = cb.upload_fp8(wq, ws)
+    qw, kw = bf16(rng.uniform(0.5, 1.5, d)), bf16(rng.uniform(0.5, 1.5, d))
+    pos = rng.integers(0, 4000, rows).astype(np.int32)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    slots = rng.permutation(nblk * bs)[:rows].astype(np.int32)
+
+    def views(buf):
+        return (buf[:, : hq * d].reshape(rows, hq, d), buf[:, hq * d : (hq + hk) * d].reshape(rows, hk, d),
+                buf[:, (hq + hk) * d :].reshape(rows, hk, d))
+
+    kc, vc = cb.from_host(np.zeros((nblk, bs, hk, d), np.float32), "act"), cb.from_host(
+        np.zeros((nblk, bs, hk, d), np.float32), "act")
+    with cb.slot(0):
+        qkv, scales = cb.linear_fp8_defer(cb.quantize_fp8(cb.from_host(x, "act"), None), weight)
+        cb.qk_norm_rope_write_kv(*views(qkv), cb.from_host(qw, "act"), cb.from_host(kw, "act"), 1e-6,
+                                 cb.from_host(pos, "i32"), cb.from_host(inv_freq, "f32"), kc, vc,
+                                 cb.from_host(slots, "i32"), scales=scales)
+        got = cb.to_host(qkv)
+    assert (scales is not None) == (16 < rows <= limit)
+    from vt.kernels.numpy_ops import NumpyBackend
+
+    xq, xs = f8.quantize(x, None)
+    ref = bf16(f8.scaled_gemm(xq, xs, wq, ws))
+    rkc, rvc = np.zeros((nblk, bs, hk, d), np.float32), np.zeros((nblk, bs, hk, d), np.float32)
+    NumpyBackend().qk_norm_rope_write_kv(*views(ref), qw, kw, 1e-6, pos, inv_freq, rkc, rvc, slots)
+    for part in (slice(0, hq * d), slice(hq * d, (hq + hk) * d), slice((hq + hk) * d, width)):
+        assert rel_err(got[:, part], ref[:, part]) < GEMM_TOL
+    assert rel_err(cb.to_host(kc), rkc) < GEMM_TOL
+    assert rel_err(cb.to_host(vc), rvc) < GEMM_TOL
+
+
+@pytest.mark.parametrize(("rows", "limit"), [(17, 256), (64, 256), (256, 256), (257, 256), (64, 0), (8, 256),
+                                             (300, 1 << 30)])
+def test_gate_up_of_decode_sized_steps_gets_its_scales_in_silu_mul(cb, rows, limit, monkeypatch):
+    """mlp_act_fp8 past the GEMV's rows, up to fp8_unit_gate_up_rows (256 by default): gate_up on the
+    per-tensor kernel with unit scales, its sums given the token's and the channel's scales in
+    silu_mul_quant_scaled_k; elsewhere (past the bound, 8 rows, or turned off) the outer-vector
+    product then silu_mul_quant_k. Both are the numpy twin's SiLU-mul of the scaled GEMM: codes
+    within one step, the product of codes and scales close."""
+    monkeypatch.setattr(cb, "fp8_unit_gate_up_rows", limit)
+    rng = np.random.default_rng(rows + limit % 7)
     inter, k = 384, 1024
     r = bf16(rng.standard_normal((rows, k)) * 3)
     norm_w = bf16(rng.uniform(0.5, 1.5, k))
@@ -197,7 +243,7 @@ def test_gate_up_of_decode_sized_steps_gets_its_scales_in_silu_mul(cb, rows, on,
     with cb.slot(0):
         a = cb.mlp_act_fp8(cb.from_host(r, "act"), cb.from_host(norm_w, "act"), 1e-6, None, weight)
         q, s = host_activation(cb, a)
-    unit = on and 16 < rows <= 256
+    unit = 16 < rows <= limit
     scaled, plain = "silu_mul_quant_scaled_k" in launched, "silu_mul_quant_k" in launched
     assert scaled == unit and plain != unit, launched
     xq, xs = f8.rms_norm_quantize(r, norm_w, 1e-6, None)

@@ -32,7 +32,7 @@ def lib():
     for fn in (lib.sim_qk_norm_rope_write_kv_k, lib.sim_qk_norm_rope_write_kv8_k):
         fn.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P,
                                  ctypes.c_longlong, _I, _I, _I, _I, _P, _I, _P, ctypes.c_float,
-                                 ctypes.c_float]
+                                 ctypes.c_float, _P, _P]
     lib.sim_round_q_e4m3_pow2_k.argtypes = _LAUNCH + [_P, _I, _I]
     lib.sim_write_kv_k.argtypes = _LAUNCH + [_P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_longlong,
                                              ctypes.c_float, ctypes.c_float, _I]
@@ -112,7 +112,7 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
         parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
         width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
         _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
-        _ptr(bias), 1.0, 1.0)
+        _ptr(bias), 1.0, 1.0, None, None)
     assert rc == 0
     got = _float(qkv)
     assert _rel(got[:, : hq * d].reshape(t, hq, d), q) < BF16_TOL
@@ -120,6 +120,43 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
     assert _rel(_float(k_cache), kc) < BF16_TOL
     assert _rel(_float(v_cache), vc) < BF16_TOL
     assert not _float(k_cache).reshape(nb * bs, hk, d)[[s for s in range(nb * bs) if s not in slots]].any()
+
+
+@pytest.mark.parametrize("kv8", [False, True])
+@pytest.mark.parametrize(("hq", "hk", "d", "parts", "token_blocks"), [(4, 2, 128, 1, 5), (8, 2, 64, 2, 3)])
+def test_prologue_gives_a_unit_scale_product_its_scales_first(lib, hq, hk, d, parts, token_blocks, kv8):
+    """qkv of fp8 weights as unit-scale sums (fp8.linear_fp8_defer) with x_scale and w_scale: q, k,
+    v and the cache are bit for bit the prologue's over bf16(sums * (x_scale[t] * w_scale[n])),
+    the product rounded once, as the outer-vector GEMM's epilogue leaves it."""
+    rng = np.random.default_rng(hq * d + parts + kv8)
+    t, nb, bs, eps = 5, 4, 4, 1e-6
+    width = (hq + 2 * hk) * d
+    sums = _bits(rng.standard_normal((t, width)) * 3000)  # sums of e4m3 code products
+    xs = rng.uniform(1e-3, 1e-1, t).astype(np.float32)
+    # a column read from the wrong place shows
+    ws = (rng.uniform(1e-4, 1e-2, width) * np.linspace(1, 4, width)).astype(np.float32)
+    scaled = _bits(_float(sums) * (xs[:, None] * ws[None, :]))  # float32 products, rounded once
+    q_norm, k_norm = _bits(1 + 0.1 * rng.standard_normal(d)), _bits(1 + 0.1 * rng.standard_normal(d))
+    positions = rng.integers(0, 500, t).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    slots = np.array([3, 7, -1, 12, 0], np.int32)
+    fn, dtype, kv_scales = ((lib.sim_qk_norm_rope_write_kv8_k, np.uint8, (0.05, 0.02)) if kv8
+                            else (lib.sim_qk_norm_rope_write_kv_k, np.uint16, (1.0, 1.0)))
+    outs = []
+    for qkv, x_scale, w_scale in ((sums, xs, ws), (scaled, None, None)):
+        k_cache, v_cache = np.zeros((nb, bs, hk, d), dtype), np.zeros((nb, bs, hk, d), dtype)
+        rc = fn(parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width,
+                _ptr(qkv, (hq + hk) * d), width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions),
+                _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache), _ptr(slots), nb * bs, t, hq, hk, d, None, 0,
+                None, *kv_scales, _ptr(x_scale), _ptr(w_scale))
+        assert rc == 0
+        outs.append((qkv, k_cache, v_cache))
+    (got, kc, vc), (want, kc_want, vc_want) = outs
+    np.testing.assert_array_equal(got[:, : (hq + hk) * d], want[:, : (hq + hk) * d])
+    np.testing.assert_array_equal(got[:, (hq + hk) * d :], scaled[:, (hq + hk) * d :])  # v, scaled
+    np.testing.assert_array_equal(kc, kc_want)
+    np.testing.assert_array_equal(vc, vc_want)
+    assert vc.any()
 
 
 def _codes(x: np.ndarray, scale: float) -> np.ndarray:
@@ -155,7 +192,7 @@ def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale
         parts, token_blocks, 1, 256, 0, _ptr(qkv), width, _ptr(qkv, hq * d), width, _ptr(qkv, (hq + hk) * d),
         width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache),
         _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1],
-        _ptr(bias), scales[0], scales[1])
+        _ptr(bias), scales[0], scales[1], None, None)
     assert rc == 0
     got = _float(qkv)
     k_out = got[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
@@ -172,7 +209,7 @@ def test_prologue_writes_fp8_codes(lib, hq, hk, d, parts, token_blocks, prescale
         parts, token_blocks, 1, 256, 0, _ptr(plain), width, _ptr(plain, hq * d), width,
         _ptr(plain, (hq + hk) * d), width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions), _ptr(inv_freq),
         _ptr(bf_cache), _ptr(bf_v), _ptr(slots), nb * bs, t, hq, hk, d, _ptr(rms_of),
-        0 if rms_of is None else rms_of.shape[1], _ptr(bias), 1.0, 1.0)
+        0 if rms_of is None else rms_of.shape[1], _ptr(bias), 1.0, 1.0, None, None)
     assert rc == 0 and (plain[:, hq * d :] == qkv[:, hq * d :]).all()
     q_plain = _float(plain)[:, : hq * d].reshape(t, hq, d)
     q_fp8 = got[:, : hq * d].reshape(t, hq, d)

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from vt.kernels.quantized import PendingScales
+
 Array = Any  # numpy.ndarray on the numpy backend, cupy.ndarray on CUDA
 
 # Steps a backend holds at once, each in its own slot (on CUDA: a stream, an arena and events):
@@ -124,10 +126,13 @@ class Backend(Protocol):
                               k_norm: Array | None, eps: float, positions: Array, inv_freq: Array,
                               k_cache: Array, v_cache: Array, slot_mapping: Array,
                               rms_of: Array | None = None, bias: Array | None = None,
-                              kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                              kv_scales: tuple[float, float] = (1.0, 1.0),
+                              scales: PendingScales | None = None) -> None:
         """In place, the attention prologue as one op: q and k get head_rms_norm (where a weight
         is given) and then rope, written back into q and k; then write_kv(k, v, ..., kv_scales). Equal to
         those three ops in that order, bf16 rounding after each included.
+        scales (optional): q, k and v hold an fp8 projection's unit-scale sums (Fp8 linear_fp8_defer);
+        every value is first multiplied by x_scale[t] * w_scale[n], n its column of the projection.
         rms_of act[T, H] (optional): first every row of q, k and v is multiplied by
         rsqrt(mean(rms_of[t] ** 2) + eps), the input norm of a projection whose norm weight was
         folded in (fold_norm_weight); bias act[(Hq + 2 Hk) D] (optional) is then added (q, k, v

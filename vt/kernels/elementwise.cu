@@ -135,6 +135,14 @@ extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride
 }
 
 // x * s + b (b may be null), rounded to bf16 as the projection's stored output would be.
+// f[e] *= xs * ws[e]: a unit-scale fp8 product given its token's and its 8 channels' scales (one
+// float32 product of the two scales, then one of the value), before scale_bias8 rounds it.
+__device__ __forceinline__ void unit_scales8(float* f, float xs, const float* __restrict__ ws) {
+    const float4 a = *reinterpret_cast<const float4*>(ws), b = *reinterpret_cast<const float4*>(ws + 4);
+    const float w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(f[e], __fmul_rn(xs, w[e]));
+}
+
 __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) {
     float g[8];
     if (b != nullptr) load8(b, g);
@@ -208,7 +216,9 @@ extern "C" __global__ void round_q_e4m3_pow2_k(bf16_t* __restrict__ q, int q_str
 // neighbours, so their re-reads of rms_of hit L2.
 // rms_of (may be null): every row is first scaled by its token's rsqrt(mean(rms_of[t]^2) + eps)
 // (the input norm, its weight folded into the qkv projection), then bias (may be null) is
-// added, and the rounded values are written back into q, k and v.
+// added, and the rounded values are written back into q, k and v. x_scale and w_scale (both or
+// neither): q, k and v hold an fp8 projection's unit-scale sums, each value first multiplied by
+// x_scale[t] * w_scale[column] (unit_scales8; the column of qkv: row * d + element).
 // qk_norm_rope_write_kv8_k, for an fp8 cache: the caches take e4m3 codes of the bf16-rounded
 // k / k_scale and v / v_scale, as write_kv_k's, and each q row is left rounded to e4m3 x 2^n
 // (round_q_row_e4m3_pow2). Two kernels of one body: the rounding's registers would make the
@@ -219,10 +229,11 @@ extern "C" __global__ void round_q_e4m3_pow2_k(bf16_t* __restrict__ q, int q_str
         const int* __restrict__ positions, const float* __restrict__ inv_freq, bf16_t* __restrict__ k_cache, \
         bf16_t* __restrict__ v_cache, const int* __restrict__ slot_mapping, long long num_slots, int tokens, \
         int hq, int hk, int d, const bf16_t* __restrict__ rms_of, int rms_width,                          \
-        const bf16_t* __restrict__ bias, float k_scale, float v_scale
+        const bf16_t* __restrict__ bias, float k_scale, float v_scale, const float* __restrict__ x_scale,   \
+        const float* __restrict__ w_scale
 #define QK_PROLOGUE_ARGS                                                                                 \
     q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,     \
-        slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale
+        slot_mapping, num_slots, tokens, hq, hk, d, rms_of, rms_width, bias, k_scale, v_scale, x_scale, w_scale
 template <bool KV8>
 __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
     constexpr int kv8 = KV8;
@@ -237,7 +248,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
     const int lane = threadIdx.x & 31, sub = lane & (g - 1), groups = blockDim.x / g;
     const int partner = (lane & ~(g - 1)) | (sub * 8 < half ? sub + span : sub - span);
     const bool first = sub * 8 < half, lane_live = sub * 8 < d;
-    const bool prescale = rms_of != nullptr || bias != nullptr;
+    const bool prescale = rms_of != nullptr || bias != nullptr || x_scale != nullptr;
     const int base0 = blockIdx.x * groups, base_step = gridDim.x * groups;
     for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
         // Row `row` of this token: its q, k or v head.
@@ -280,6 +291,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
             const bool is_v = row >= hq + hk, is_q = row < hq;
             const int h = is_q ? row : is_v ? row - hq - hk : row - hq;
             bf16_t* xr = row_at(row);
+            if (mine && x_scale != nullptr) unit_scales8(f, x_scale[t], w_scale + (size_t)row * d + sub * 8);
             if (mine && prescale) scale_bias8(f, scale, bias != nullptr ? bias + (size_t)row * d + sub * 8 : nullptr);
             if (q_norm != nullptr) {  // both norms or neither (the host checks)
                 float ss = 0.f;
@@ -323,15 +335,18 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_write_kv8_k(QK
 }
 
 // x[t, :n] = x * s_t + bias in place on token-strided rows, s_t = rsqrt(mean(rms_of[t]^2) + eps)
-// (1 without rms_of), bias may be null: the prologue's prescale for shapes its kernel does not take.
+// (1 without rms_of), bias may be null, x first given unit scales x_scale[t] * w_scale[:n] where
+// x_scale is not null: the prologue's prescale for shapes its kernel does not take.
 extern "C" __global__ void rms_scale_k(bf16_t* __restrict__ x, int x_stride, int n, const bf16_t* __restrict__ rms_of,
-                                       int rms_width, float eps, const bf16_t* __restrict__ bias) {
+                                       int rms_width, float eps, const bf16_t* __restrict__ bias,
+                                       const float* __restrict__ x_scale, const float* __restrict__ w_scale) {
     __shared__ float scratch[32];
     const int t = blockIdx.x;
     const float s = rms_of != nullptr ? row_inv_rms(rms_of + (size_t)t * rms_width, rms_width, eps, scratch) : 1.f;
     for (int c = threadIdx.x * 8; c < n; c += blockDim.x * 8) {
         float f[8];
         load8(x + (size_t)t * x_stride + c, f);
+        if (x_scale != nullptr) unit_scales8(f, x_scale[t], w_scale + c);
         scale_bias8(f, s, bias != nullptr ? bias + c : nullptr);
         store8(x + (size_t)t * x_stride + c, f);
     }

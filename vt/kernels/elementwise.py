@@ -9,6 +9,7 @@ import numpy as np
 
 from vt.kernels.base import norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.cuda_core import CudaCore, check_rows, is_fp8_cache, kv_cache_args, token_stride
+from vt.kernels.quantized import PendingScales
 
 # The kernels these launchers call (bias_add_k is gemm.py's, for a projection's bias).
 KERNELS = {
@@ -30,6 +31,11 @@ KERNELS = {
 }
 _i32 = np.int32
 _f32 = np.float32
+
+
+def unit_scale_args(scales: PendingScales | None) -> tuple[cupy.ndarray | int, cupy.ndarray | int]:
+    """The prologue kernels' x_scale and w_scale pointers (null without pending scales)."""
+    return (0, 0) if scales is None else (scales.x_scale, scales.w_scale)
 
 
 class ElementwiseOps(CudaCore):
@@ -153,6 +159,7 @@ class ElementwiseOps(CudaCore):
         rms_of: cupy.ndarray | None = None,
         bias: cupy.ndarray | None = None,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        scales: PendingScales | None = None,
     ) -> None:
         t, hq, d = q.shape
         hk = k.shape[1]
@@ -163,9 +170,13 @@ class ElementwiseOps(CudaCore):
                 raise ValueError(f"qk_norm_rope_write_kv: rms_of has {rms_of.shape[0]} rows for {t} tokens")
         if bias is not None and (bias.shape != ((hq + 2 * hk) * d,) or bias.dtype != np.uint16):
             raise ValueError(f"qk_norm_rope_write_kv: bias {bias.dtype}{bias.shape} is not act[(Hq+2Hk)D]")
+        width = (hq + 2 * hk) * d
+        if scales is not None and (scales.x_scale.shape != (t,) or scales.w_scale.shape != (width,)):
+            raise ValueError(f"qk_norm_rope_write_kv: scales {scales.x_scale.shape}, {scales.w_scale.shape} "
+                             f"are not f32[{t}] and f32[{width}]")
         if not prologue_fused(d, q_norm, k_norm):
             self._prologue_unfused(q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,
-                                   slot_mapping, rms_of, bias, kv_scales)
+                                   slot_mapping, rms_of, bias, kv_scales, scales)
             return
         qs, ks, vs = (token_stride(x, "qk_norm_rope_write_kv") for x in (q, k, v))
         bad = k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or (hkc, dc) != (hk, d)
@@ -185,7 +196,7 @@ class ElementwiseOps(CudaCore):
                  0 if k_norm is None else k_norm, _f32(eps), positions, inv_freq, k_cache, v_cache,
                  slot_mapping, np.int64(nb * bs), _i32(t), _i32(hq), _i32(hk), _i32(d),
                  0 if rms_of is None else rms_of, _i32(0 if rms_of is None else rms_of.shape[1]),
-                 0 if bias is None else bias, k_scale, v_scale),
+                 0 if bias is None else bias, k_scale, v_scale, *unit_scale_args(scales)),
             )
 
     def _prologue_unfused(
@@ -204,19 +215,22 @@ class ElementwiseOps(CudaCore):
         rms_of: cupy.ndarray | None,
         bias: cupy.ndarray | None,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        scales: PendingScales | None = None,
     ) -> None:
         """qk_norm_rope_write_kv as its three ops, for the shapes the one-warp-per-head kernel does
-        not cover; the input-norm scale and the bias first, in place."""
+        not cover; the unit scales, the input-norm scale and the bias first, in place."""
         t, hq, d = q.shape
         hk = k.shape[1]
         width = 0 if rms_of is None else rms_of.shape[1]
-        if (rms_of is not None or bias is not None) and t:
+        if (rms_of is not None or bias is not None or scales is not None) and t:
             for x, lo in ((q, 0), (k, hq * d), (v, (hq + hk) * d)):
                 n = x.shape[1] * d
+                xs, ws = unit_scale_args(scales)
                 self._launch("rms_scale_k", (t,), (256,),
                              (x, _i32(token_stride(x, "qk_norm_rope_write_kv")), _i32(n),
                               0 if rms_of is None else rms_of, _i32(width), _f32(eps),
-                              0 if bias is None else bias[lo : lo + n]))
+                              0 if bias is None else bias[lo : lo + n], xs,
+                              0 if scales is None else ws[lo : lo + n]))
         norm_rope_write_kv_unfused(self, q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache,
                                    v_cache, slot_mapping, kv_scales)
         if is_fp8_cache(k_cache) and t and hq:  # q as the fused kernel leaves it over an fp8 cache

@@ -20,6 +20,7 @@ from vt.kernels.quantized import (
     Fp8Activation,
     Fp8Weight,
     PendingResidual,
+    PendingScales,
     gemm_rows,
     unit_scale_rows,
 )
@@ -28,6 +29,11 @@ KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k",
                       "add_rows_k", "add_scaled_rows_k", "add_scaled_rms_norm_quant_k")}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
+
+
+# The most rows whose qkv or gate_up takes unit-scale sums (fp8_unit_qkv_rows, fp8_unit_gate_up_rows):
+# qkv's default, every step the GEMV does not take.
+UNIT_ROWS_LIMIT = 1 << 30
 
 
 def requested_fp8_per_tensor_rows(value: int | None) -> int:
@@ -41,8 +47,9 @@ class Fp8Ops(CudaCore):
     _fp8_gemm: CublasLtFp8 | None = None
     _unit_scale: cupy.ndarray | None = None  # f32[1] = 1.0: both scales of a unit-scale GEMM
     fp8_per_tensor_rows: int = UNIT_SCALE_MAX_ROWS
+    fp8_unit_qkv_rows: int = UNIT_ROWS_LIMIT
     fp8_fold_add: bool = True
-    fp8_unit_gate_up: bool = True
+    fp8_unit_gate_up_rows: int = UNIT_SCALE_MAX_ROWS
 
     def _lt(self) -> CublasLtFp8:
         # Made at the first fp8 weight (setup, outside any capture): bf16 models never load it.
@@ -154,19 +161,29 @@ class Fp8Ops(CudaCore):
             self._launch("bias_add_k", (-(-(t * n // 8) // 256),), (256,), (y, bias, _i32(t), _i32(n)))
         return y
 
+    def linear_fp8_defer(self, x: Fp8Activation, w: Fp8Weight) -> tuple[cupy.ndarray, PendingScales | None]:
+        """x @ w^T for a consumer that can apply the scales as it reads the product (qkv: the
+        attention prologue's scales). Steps past the GEMV's rows, up to fp8_unit_qkv_rows, with
+        per-token activations and per-channel weights get the per-tensor kernel's unit-scale sums
+        and the scales to apply (cuBLASLt's per-tensor kernels beat the outer-vector ones on qkv:
+        bench/RESULTS.md); others linear_fp8's product and None. Same buffer either way."""
+        if x.rows <= self.fp8_unit_qkv_rows and self._unit_product_fits(x, w):
+            return self._unit_scale_product(x, w), PendingScales(x.scale, w.scale)
+        return self.linear_fp8(x, w, None), None
+
     def mlp_act_fp8(self, r: cupy.ndarray, weight: cupy.ndarray, eps: float, group: int | None,
                     w: Fp8Weight, pending: PendingResidual | None = None) -> Fp8Activation:
         """down_proj's input: silu_mul_quant(linear_fp8(rms_norm_quant(r, weight, eps, group,
-        pending), w, None), group), w the stacked gate and up. Steps of 17-256 rows
-        (quantized.unit_scale_rows, up to fp8_per_tensor_rows, unless fp8_unit_gate_up is off) run
-        gate_up on the per-tensor kernel with unit scales and give its sums both scales in
+        pending), w, None), group), w the stacked gate and up. Steps past the GEMV's rows, up to
+        fp8_unit_gate_up_rows (256 by default: quantized.unit_scale_rows' steps), run gate_up on the
+        per-tensor kernel with unit scales and give its sums both scales in
         silu_mul_quant_scaled_k: the same buffers as the other path, the outer-vector kernel's
         extra time at those rows saved."""
         check_rows(r, "mlp_act_fp8 r")
         t = r.shape[0]
         n = w.q.shape[0]
         x = self.rms_norm_quant(r, weight, eps, group, pending)
-        if not (self.fp8_unit_gate_up and n % 16 == 0 and self._unit_scales_fit(x, w)):
+        if not (n % 16 == 0 and x.rows <= self.fp8_unit_gate_up_rows and self._unit_product_fits(x, w)):
             return self.silu_mul_quant(self.linear_fp8(x, w, None), group)
         y = self._unit_scale_product(x, w)
         inter = n // 2
@@ -218,9 +235,14 @@ class Fp8Ops(CudaCore):
                           gemm.workspace_bytes, sm_target=gemm.sm_count_target)
 
     def _unit_scales_fit(self, x: Fp8Activation, w: Fp8Weight) -> bool:
-        """quantized.unit_scale_rows' residual projections (per-token activations, per-channel
-        weights), up to fp8_per_tensor_rows rows."""
-        return (unit_scale_rows(x.rows, x.group) and x.rows <= self.fp8_per_tensor_rows and not w.block
+        """quantized.unit_scale_rows' residual projections, up to fp8_per_tensor_rows rows."""
+        return (unit_scale_rows(x.rows, x.group) and x.rows <= self.fp8_per_tensor_rows
+                and self._unit_product_fits(x, w))
+
+    def _unit_product_fits(self, x: Fp8Activation, w: Fp8Weight) -> bool:
+        """Whether x @ w^T can run as unit-scale sums: per-token activations, per-channel weights,
+        rows the GEMV does not take, whole 16-byte rows of the product."""
+        return (x.group is None and not w.block and x.rows > 0 and not self._gemv_fits(x, x.q.shape[1])
                 and x.q.shape[0] == x.rows and w.q.shape[1] == x.q.shape[1] and w.q.shape[0] % 8 == 0)
 
     def _unit_scale_product(self, x: Fp8Activation, w: Fp8Weight) -> cupy.ndarray:

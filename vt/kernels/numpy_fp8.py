@@ -20,7 +20,14 @@ import ml_dtypes
 import numpy as np
 
 from vt.kernels.numpy_matmul import matmul_rows
-from vt.kernels.quantized import Fp8Activation, Fp8Weight, PendingResidual, gemm_rows, unit_scale_rows
+from vt.kernels.quantized import (
+    Fp8Activation,
+    Fp8Weight,
+    PendingResidual,
+    PendingScales,
+    gemm_rows,
+    unit_scale_rows,
+)
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)
@@ -172,6 +179,10 @@ class NumpyFp8Ops:
         self._took((gemm_rows(x.rows, x.group), w.q.shape[0]), "act")
         y = scaled_gemm(x.q, x.scale, w.q, w.scale)
         return y if bias is None else y + bias
+
+    def linear_fp8_defer(self, x: Fp8Activation, w: Fp8Weight) -> tuple[np.ndarray, PendingScales | None]:
+        """x @ w^T with its scales applied (CUDA may leave them to the consumer; the twin never does)."""
+        return self.linear_fp8(x, w, None), None
 
     def mlp_act_fp8(self, r: np.ndarray, weight: np.ndarray, eps: float, group: int | None,
                     w: Fp8Weight, pending: PendingResidual | None = None) -> Fp8Activation:

@@ -18,6 +18,7 @@ from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, quantize_rows_pow2, to_e4m3
 from vt.kernels.numpy_matmul import matmul_rows
+from vt.kernels.quantized import PendingScales
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
            "fp8": E4M3}
@@ -152,7 +153,12 @@ class NumpyBackend(NumpyFp8Ops):
                               positions: np.ndarray, inv_freq: np.ndarray, k_cache: np.ndarray,
                               v_cache: np.ndarray, slot_mapping: np.ndarray,
                               rms_of: np.ndarray | None = None, bias: np.ndarray | None = None,
-                              kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                              kv_scales: tuple[float, float] = (1.0, 1.0),
+                              scales: PendingScales | None = None) -> None:
+        if scales is not None:  # a unit-scale product's scales, before the rest (numpy never defers them)
+            cols = np.split(np.asarray(scales.w_scale, np.float32), [q[0].size, q[0].size + k[0].size])
+            for x, w in zip((q, k, v), cols, strict=True):
+                x[...] = x * (np.asarray(scales.x_scale, np.float32)[:, None, None] * w.reshape(x.shape[1:]))
         if rms_of is not None or bias is not None:
             rms = np.float32(1) if rms_of is None else _rms(rms_of, eps)[:, :, None]
             parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3

@@ -49,6 +49,15 @@ class PendingResidual:
     w_scale: Array   # f32 [N]
 
 
+@dataclass(frozen=True)
+class PendingScales:
+    """A projection's unit-scale product whose scales the kernel that reads it applies
+    (y[t, n] * (x_scale[t] * w_scale[n])): qkv's, given them by the attention prologue
+    (qk_norm_rope_write_kv's scales)."""
+    x_scale: Array   # f32 [T]
+    w_scale: Array   # f32 [N]
+
+
 def gemm_rows(rows: int, group: int | None) -> int:
     """Rows an fp8 GEMM runs for `rows` tokens: cuBLASLt's block-scaled kernels take their
     activation scales group-major, each group's rows 16-byte aligned, so they need a multiple of 4

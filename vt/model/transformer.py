@@ -235,13 +235,14 @@ class Transformer:
         hq, hk, d = self.split.heads, self.split.kv_heads, cfg.head_dim
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         eps = cfg.rms_norm_eps
-        qkv = ops.linear_fp8(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv, None)
+        # qkv may come back as unit-scale sums: the prologue gives them their scales
+        qkv, scales = ops.linear_fp8_defer(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv)
         q = qkv[:, :q_end].reshape(t, hq, d)
         k = qkv[:, q_end:k_end].reshape(t, hk, d)
         v = qkv[:, k_end:].reshape(t, hk, d)
         ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
                                   k_cache, v_cache, batch.slot_mapping, rms_of=None, bias=layer.qkv_bias,
-                                  kv_scales=kv_scales)
+                                  kv_scales=kv_scales, scales=scales)
         o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                       self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
                       follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
