@@ -181,10 +181,10 @@ def test_residual_projections_of_decode_sized_steps_apply_the_scales_after_the_p
 @pytest.mark.parametrize(("rows", "limit", "d"), [(17, 1 << 30, 128), (300, 1 << 30, 128), (300, 256, 128),
                                                 (64, 0, 128), (8, 1 << 30, 128), (40, 1 << 30, 72)])
 def test_qkv_sums_get_their_scales_in_the_prologue(cb, rows, limit, d, monkeypatch):
-    """linear_fp8_defer past the GEMV's rows, up to fp8_unit_qkv_rows: the per-tensor kernel's
-    unit-scale sums and their scales, which qk_norm_rope_write_kv applies before the head norms
-    (d=72: its three-op path); q, k, v and the cache as the numpy twin's prologue over the scaled
-    GEMM. Elsewhere the outer-vector product (or the GEMV) and no scales."""
+    """linear_fp8_defer past the GEMV's rows, up to fp8_unit_qkv_rows (256 by default): the
+    per-tensor kernel's unit-scale sums and their scales, which qk_norm_rope_write_kv applies
+    before the head norms (d=72: its three-op path); q, k, v and the cache as the numpy twin's
+    prologue over the scaled GEMM. Elsewhere the outer-vector product (or the GEMV) and no scales."""
     monkeypatch.setattr(cb, "fp8_unit_qkv_rows", limit)
     rng = np.random.default_rng(rows + d + limit % 7)
     hq, hk, k, nblk, bs = 4, 2, 512, (rows + 3) // 4 + 1, 4

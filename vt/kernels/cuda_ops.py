@@ -35,7 +35,7 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
         self.fp8_fold_add = requested_switch("VT_FP8_FOLD_ADD")
         self.fp8_unit_gate_up_rows = requested_count(None, "VT_FP8_UNIT_GATE_UP_ROWS", UNIT_SCALE_MAX_ROWS,
                                                      UNIT_ROWS_LIMIT)
-        self.fp8_unit_qkv_rows = requested_count(None, "VT_FP8_UNIT_QKV_ROWS", UNIT_ROWS_LIMIT,
+        self.fp8_unit_qkv_rows = requested_count(None, "VT_FP8_UNIT_QKV_ROWS", UNIT_SCALE_MAX_ROWS,
                                                  UNIT_ROWS_LIMIT)
         kernels = {**elementwise.KERNELS, **attention.KERNELS, **sampling.KERNELS, **gemm.KERNELS,
                    **fp8.KERNELS}

@@ -31,8 +31,7 @@ _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
 
 
-# The most rows whose qkv or gate_up takes unit-scale sums (fp8_unit_qkv_rows, fp8_unit_gate_up_rows):
-# qkv's default, every step the GEMV does not take.
+# The largest bound VT_FP8_UNIT_QKV_ROWS and VT_FP8_UNIT_GATE_UP_ROWS take (every step).
 UNIT_ROWS_LIMIT = 1 << 30
 
 
@@ -47,7 +46,7 @@ class Fp8Ops(CudaCore):
     _fp8_gemm: CublasLtFp8 | None = None
     _unit_scale: cupy.ndarray | None = None  # f32[1] = 1.0: both scales of a unit-scale GEMM
     fp8_per_tensor_rows: int = UNIT_SCALE_MAX_ROWS
-    fp8_unit_qkv_rows: int = UNIT_ROWS_LIMIT
+    fp8_unit_qkv_rows: int = UNIT_SCALE_MAX_ROWS
     fp8_fold_add: bool = True
     fp8_unit_gate_up_rows: int = UNIT_SCALE_MAX_ROWS
 
@@ -163,10 +162,11 @@ class Fp8Ops(CudaCore):
 
     def linear_fp8_defer(self, x: Fp8Activation, w: Fp8Weight) -> tuple[cupy.ndarray, PendingScales | None]:
         """x @ w^T for a consumer that can apply the scales as it reads the product (qkv: the
-        attention prologue's scales). Steps past the GEMV's rows, up to fp8_unit_qkv_rows, with
-        per-token activations and per-channel weights get the per-tensor kernel's unit-scale sums
-        and the scales to apply (cuBLASLt's per-tensor kernels beat the outer-vector ones on qkv:
-        bench/RESULTS.md); others linear_fp8's product and None. Same buffer either way."""
+        attention prologue's scales). Steps past the GEMV's rows, up to fp8_unit_qkv_rows (256 by
+        default), with per-token activations and per-channel weights get the per-tensor kernel's
+        unit-scale sums and the scales to apply (faster than the outer-vector kernel at decode
+        sizes, slower in a prompt step: bench/RESULTS.md); others linear_fp8's product and None.
+        Same buffer either way."""
         if x.rows <= self.fp8_unit_qkv_rows and self._unit_product_fits(x, w):
             return self._unit_scale_product(x, w), PendingScales(x.scale, w.scale)
         return self.linear_fp8(x, w, None), None
