@@ -223,9 +223,9 @@ class ElementwiseOps(CudaCore):
         hk = k.shape[1]
         width = 0 if rms_of is None else rms_of.shape[1]
         if (rms_of is not None or bias is not None or scales is not None) and t:
+            xs, ws = unit_scale_args(scales)
             for x, lo in ((q, 0), (k, hq * d), (v, (hq + hk) * d)):
                 n = x.shape[1] * d
-                xs, ws = unit_scale_args(scales)
                 self._launch("rms_scale_k", (t,), (256,),
                              (x, _i32(token_stride(x, "qk_norm_rope_write_kv")), _i32(n),
                               0 if rms_of is None else rms_of, _i32(width), _f32(eps),
