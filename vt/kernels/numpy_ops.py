@@ -47,6 +47,11 @@ class _Replay:
         return self._fn()
 
 
+def _qkv_columns(per_column: np.ndarray, q: np.ndarray, k: np.ndarray) -> list[np.ndarray]:
+    """A vector over qkv's columns (a bias, channel scales) split into its q, k and v parts."""
+    return np.split(per_column, [q[0].size, q[0].size + k[0].size])
+
+
 class NumpyBackend(NumpyFp8Ops):
     name = "numpy"
 
@@ -156,12 +161,13 @@ class NumpyBackend(NumpyFp8Ops):
                               kv_scales: tuple[float, float] = (1.0, 1.0),
                               scales: PendingScales | None = None) -> None:
         if scales is not None:  # a unit-scale product's scales, before the rest (numpy never defers them)
-            cols = np.split(np.asarray(scales.w_scale, np.float32), [q[0].size, q[0].size + k[0].size])
-            for x, w in zip((q, k, v), cols, strict=True):
-                x[...] = x * (np.asarray(scales.x_scale, np.float32)[:, None, None] * w.reshape(x.shape[1:]))
+            x_scale = np.asarray(scales.x_scale, np.float32)[:, None, None]
+            w_parts = _qkv_columns(np.asarray(scales.w_scale, np.float32), q, k)
+            for x, w in zip((q, k, v), w_parts, strict=True):
+                x[...] = x * (x_scale * w.reshape(x.shape[1:]))
         if rms_of is not None or bias is not None:
             rms = np.float32(1) if rms_of is None else _rms(rms_of, eps)[:, :, None]
-            parts = np.split(bias, [q[0].size, q[0].size + k[0].size]) if bias is not None else (None,) * 3
+            parts = _qkv_columns(bias, q, k) if bias is not None else (None,) * 3
             for x, b in zip((q, k, v), parts, strict=True):
                 x[...] = x / rms if b is None else x / rms + b.reshape(x.shape[1:])
         # CUDA's fused kernel works in place; only its three-op path allocates head-norm outputs.
