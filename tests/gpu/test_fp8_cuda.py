@@ -288,6 +288,40 @@ def test_o_proj_product_is_added_by_the_post_attention_norm(cb, rows, fold, monk
     np.testing.assert_array_equal(one_s, two_s)
 
 
+def test_a_down_product_held_across_the_arena_rewind_is_added_by_the_next_norm(cb):
+    """down_proj's deferred product outlives the layer loop's arena rewind: the next layer's input
+    norm (whose outputs take the rewound layer's first offsets) adds it as add_pending would, bit
+    for bit; a norm whose outputs would land on the held product refuses to run."""
+    rng = np.random.default_rng(11)
+    rows, n, k = 64, 1024, 2048
+    x = bf16(rng.standard_normal((rows, k)))
+    wq, ws = f8.quantize_weight_channel(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    ws = ws * np.linspace(1, 3, n, dtype=np.float32)
+    weight = cb.upload_fp8(wq, ws)
+    residual = bf16(rng.standard_normal((rows, n)))
+    norm_w = cb.from_host(bf16(rng.uniform(0.2, 2.0, n)), "act")
+    held_r, added_r = cb.from_host(residual, "act"), cb.from_host(residual, "act")
+    with cb.slot(0):
+        start = cb.arena_mark()
+        cb.rms_norm_quant(cb.from_host(residual, "act"), norm_w, 1e-6, None)  # a layer's first outputs
+        xa = cb.quantize_fp8(cb.from_host(x, "act"), None)
+        product_at = cb.arena_mark()
+        pending = cb.linear_fp8_residual(xa, weight, held_r, defer=True)
+        assert pending is not None
+        cb.add_pending(added_r, pending)
+        want = cb.rms_norm_quant(added_r, norm_w, 1e-6, None)
+        want_q, want_s = cb.to_host(want.q), cb.to_host(want.scale)
+        cb.arena_reset(start)
+        got = cb.rms_norm_quant(held_r, norm_w, 1e-6, None, pending)
+        np.testing.assert_array_equal(cb.to_host(held_r), cb.to_host(added_r))
+        np.testing.assert_array_equal(cb.to_host(got.q), want_q)
+        np.testing.assert_array_equal(cb.to_host(got.scale), want_s)
+        assert rel_err(cb.to_host(added_r) - residual, f8.scaled_gemm(*f8.quantize(x, None), wq, ws)) < 0.02
+        cb.arena_reset(product_at)  # the next outputs would land on the held product
+        with pytest.raises(RuntimeError, match="overwrite the pending product"):
+            cb.rms_norm_quant(held_r, norm_w, 1e-6, None, pending)
+
+
 # ---- whole models ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,11 @@ def requested_fp8_per_tensor_rows(value: int | None) -> int:
     return requested_count(value, "VT_FP8_PER_TENSOR_ROWS", UNIT_SCALE_MAX_ROWS, UNIT_SCALE_MAX_ROWS)
 
 
+def _overlap(a: cupy.ndarray, b: cupy.ndarray) -> bool:
+    """Whether two device arrays' bytes overlap."""
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
 class Fp8Ops(CudaCore):
     _fp8_gemm: CublasLtFp8 | None = None
     _unit_scale: cupy.ndarray | None = None  # f32[1] = 1.0: both scales of a unit-scale GEMM
@@ -125,6 +130,11 @@ class Fp8Ops(CudaCore):
             if group is not None or pending.product.shape != (t, k) or not x.flags.c_contiguous:
                 raise ValueError(f"rms_norm_quant: a pending product {pending.product.shape} needs "
                                  f"contiguous per-token rows {(t, k)}")
+            # the pending product may lie in arena memory rewound since (the layer before's): the
+            # launch that reads it must not write over it
+            held = (pending.product, pending.x_scale)
+            if any(_overlap(out, h) for out in (a.q, a.scale) for h in held):
+                raise RuntimeError("rms_norm_quant: its outputs would overwrite the pending product it adds")
             if t:
                 args = (x, pending.product, pending.x_scale, pending.w_scale, weight, _f32(eps), a.q, a.scale,
                         _i32(k))
@@ -196,8 +206,8 @@ class Fp8Ops(CudaCore):
                             defer: bool = False) -> PendingResidual | None:
         """residual += x @ w^T (both scales). With defer, a unit-scale product (17-256 rows) may
         be returned instead of added, for the next norm of the residual stream to add
-        (rms_norm_quant's pending; only while fp8_fold_add): the caller must pass it on before
-        anything else reads the residual stream."""
+        (rms_norm_quant's pending; only while fp8_fold_add), or add_pending where no norm
+        follows: the caller must pass it on before anything else reads the residual stream."""
         check_rows(residual, "linear_fp8_residual residual")
         t, n = x.rows, w.q.shape[0]
         if residual.shape != (t, n):
@@ -260,11 +270,19 @@ class Fp8Ops(CudaCore):
 
     def _residual_unit_scales(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray) -> None:
         """residual += x @ w^T with both scales applied after the product (add_scaled_rows_k)."""
-        t, n = x.q.shape[0], w.q.shape[0]
-        y = self._unit_scale_product(x, w)
+        self.add_pending(residual, PendingResidual(self._unit_scale_product(x, w), x.scale, w.scale))
+
+    def add_pending(self, residual: cupy.ndarray, pending: PendingResidual) -> None:
+        """residual[t, n] += product[t, n] * (x_scale[t] * w_scale[n]), rounded once (add_scaled_rows_k):
+        a deferred product that no norm took (the last layer's down_proj)."""
+        t, n = pending.product.shape
+        if residual.shape != (t, n) or not residual.flags.c_contiguous:
+            raise ValueError(f"add_pending: residual {residual.shape} is not contiguous {(t, n)}")
         chunks = t * n // 8
-        self._launch("add_scaled_rows_k", (-(-chunks // 256),), (256,),
-                     (residual, y, x.scale, w.scale, _i32(n), np.int64(chunks)))
+        if chunks:
+            self._launch("add_scaled_rows_k", (-(-chunks // 256),), (256,),
+                         (residual, pending.product, pending.x_scale, pending.w_scale, _i32(n),
+                          np.int64(chunks)))
 
     def _gemv_fits(self, x: Fp8Activation, k: int) -> bool:
         """gemv.cu takes up to gemv_max_tokens (<= 16) tokens over whole 64-column chunks (128 with

@@ -191,6 +191,12 @@ class NumpyFp8Ops:
         x = self.rms_norm_quant(r, weight, eps, group, pending)
         return self.silu_mul_quant(self.linear_fp8(x, w, None), group)
 
+    def add_pending(self, residual: np.ndarray, pending: PendingResidual) -> None:
+        """residual += product * (x_scale[t] * w_scale[n]) (the twin never defers a product, but
+        adds one as CUDA does)."""
+        x_scale, w_scale = np.asarray(pending.x_scale, np.float32), np.asarray(pending.w_scale, np.float32)
+        residual += np.asarray(pending.product, np.float32) * (x_scale[:, None] * w_scale[None, :])
+
     def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: np.ndarray,
                             defer: bool = False) -> PendingResidual | None:
         """residual += x @ w^T, added at once (CUDA may hand a deferred product to the next norm,

@@ -37,7 +37,7 @@ import numpy as np
 
 from vt.config import ModelConfig
 from vt.kernels.base import Array, Backend
-from vt.kernels.quantized import Fp8Weight
+from vt.kernels.quantized import Fp8Weight, PendingResidual
 from vt.kernels.rank_group import rank_count
 from vt.model.batch import ForwardBatch
 from vt.model.loader import kv_scale_name
@@ -205,11 +205,13 @@ class Transformer:
         r = ops.embed(batch.input_ids, self.embed)
         start = _arena_mark(ops)
         group = None if self.fp8 is None else self.fp8.activation_group
+        pending = None  # fp8: a layer's down_proj product the next layer's input norm adds
         for layer, (k_cache, v_cache), kv_scales in zip(self.layers, kv, self.kv_scales, strict=True):
             if start is not None:
                 ops.arena_reset(start)
             if self.fp8 is not None:
-                self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention, group)
+                pending = self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention,
+                                                  group, pending)
                 continue
             qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
@@ -224,19 +226,26 @@ class Transformer:
             ops.linear_residual(o.reshape(t, self.q_dim), layer.o_proj, r)
             gate_up = ops.linear(r, layer.gate_up, None)
             ops.linear_residual(ops.silu_mul(gate_up, rms_of=r, eps=eps), layer.down, r)
+        if pending is not None:
+            ops.add_pending(r, pending)
         return r
 
     def _fp8_layer_forward(self, layer: _Layer, r: Array, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                            kv_scales: tuple[float, float], attention: Callable[..., Array],
-                           group: int | None) -> None:
-        """One layer on fp8 weights, the residual stream r updated in place."""
+                           group: int | None, pending: PendingResidual | None) -> PendingResidual | None:
+        """One layer on fp8 weights, the residual stream r updated in place once `pending` (the
+        layer before's down_proj product, if it was deferred) is added by the input norm; returns
+        this layer's down_proj product where the backend deferred it. The arena is rewound between
+        layers, so that product lies in memory a later allocation may reuse: only the next input
+        norm's launch may come between (CUDA's rms_norm_quant refuses outputs that overlap it)."""
         cfg, ops = self.cfg, self.ops
         t = batch.input_ids.shape[0]
         hq, hk, d = self.split.heads, self.split.kv_heads, cfg.head_dim
         q_end, k_end = self.q_dim, self.q_dim + self.kv_dim
         eps = cfg.rms_norm_eps
         # qkv may come back as unit-scale sums: the prologue gives them their scales
-        qkv, scales = ops.linear_fp8_defer(ops.rms_norm_quant(r, layer.input_norm, eps, group), layer.qkv)
+        qkv, scales = ops.linear_fp8_defer(ops.rms_norm_quant(r, layer.input_norm, eps, group, pending),
+                                           layer.qkv)
         q = qkv[:, :q_end].reshape(t, hq, d)
         k = qkv[:, q_end:k_end].reshape(t, hk, d)
         v = qkv[:, k_end:].reshape(t, hk, d)
@@ -248,9 +257,10 @@ class Transformer:
                       follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
         # o_proj's product may come back un-added: the post-attention norm adds it (one launch)
         o_q = ops.quantize_fp8(o.reshape(t, self.q_dim), group)
-        pending = ops.linear_fp8_residual(o_q, layer.o_proj, r, defer=True)
-        act = ops.mlp_act_fp8(r, layer.post_norm, eps, group, layer.gate_up, pending=pending)
-        ops.linear_fp8_residual(act, layer.down, r)
+        act = ops.mlp_act_fp8(r, layer.post_norm, eps, group, layer.gate_up,
+                              pending=ops.linear_fp8_residual(o_q, layer.o_proj, r, defer=True))
+        # and down_proj's too: the next layer's input norm adds it, or add_pending after the last
+        return ops.linear_fp8_residual(act, layer.down, r, defer=True)
 
     def head(self, r: Array, logits_indices: Array) -> Any:
         """Final norm and lm_head for rows logits_indices of the residual stream -> f32[B, V]."""
