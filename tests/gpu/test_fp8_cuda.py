@@ -317,7 +317,7 @@ def test_a_down_product_held_across_the_arena_rewind_is_added_by_the_next_norm(c
         np.testing.assert_array_equal(cb.to_host(got.q), want_q)
         np.testing.assert_array_equal(cb.to_host(got.scale), want_s)
         assert rel_err(cb.to_host(added_r) - residual, f8.scaled_gemm(*f8.quantize(x, None), wq, ws)) < 0.02
-        cb.arena_reset(product_at)  # the next outputs would land on the held product
+        cb.arena_reserve(product_at)  # the next outputs would land on the held product
         with pytest.raises(RuntimeError, match="overwrite the pending product"):
             cb.rms_norm_quant(held_r, norm_w, 1e-6, None, pending)
 
