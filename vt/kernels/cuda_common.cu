@@ -29,6 +29,12 @@ __device__ __forceinline__ void load8(const bf16_t* p, float* f) {
     f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
     f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
 }
+// 8 floats from 16-byte aligned memory in two vector loads (per-channel scales: the compiler cannot
+// prove the alignment, and 8 scalar loads a chunk made the scaled fp8 kernels load-issue bound).
+__device__ __forceinline__ void load8_f32(const float* p, float* f) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
 __device__ __forceinline__ void store8(bf16_t* p, const float* f) {
     uint4 v;
     v.x = pack2(f[0], f[1]); v.y = pack2(f[2], f[3]); v.z = pack2(f[4], f[5]); v.w = pack2(f[6], f[7]);

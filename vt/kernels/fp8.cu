@@ -54,12 +54,14 @@ struct ScaledSiluSource {
     const float* up_scale;    // and of the up half
     float rs;                 // the token's activation scale
     __device__ __forceinline__ void load(int c, float* f) const {
-        float u[8];
+        float u[8], gs[8], us[8];
         load8(gate + c, f);
         load8(up + c, u);
+        load8_f32(gate_scale + c, gs);
+        load8_f32(up_scale + c, us);
         for (int e = 0; e < 8; ++e) {
-            const float g = f[e] * (rs * gate_scale[c + e]);
-            f[e] = __fdividef(g, 1.f + __expf(-g)) * (u[e] * (rs * up_scale[c + e]));
+            const float g = f[e] * (rs * gs[e]);
+            f[e] = __fdividef(g, 1.f + __expf(-g)) * (u[e] * (rs * us[e]));
         }
     }
 };
@@ -221,7 +223,9 @@ extern "C" __global__ void add_scaled_rows_k(bf16_t* __restrict__ r, const bf16_
     load8(r + i, a);
     load8(y + i, b);
     const float xs = x_scale[t];
-    for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * w_scale[col + e], a[e]);
+    float ws[8];
+    load8_f32(w_scale + col, ws);
+    for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * ws[e], a[e]);
     store8(r + i, a);
 }
 
@@ -245,7 +249,9 @@ extern "C" __global__ void add_scaled_rms_norm_quant_k(bf16_t* r, const bf16_t* 
         float a[8], b[8];
         load8(rr + c, a);
         load8(yr + c, b);
-        for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * w_scale[c + e], a[e]);
+        float ws[8];
+        load8_f32(w_scale + c, ws);
+        for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * ws[e], a[e]);
         store8(rr + c, a);
     }
     // row_inv_rms and quantize_row read the row in the loop's own pattern: each thread reads back

@@ -251,9 +251,11 @@ class Fp8Ops(CudaCore):
 
     def _unit_product_fits(self, x: Fp8Activation, w: Fp8Weight) -> bool:
         """Whether x @ w^T can run as unit-scale sums: per-token activations, per-channel weights,
-        rows the GEMV does not take, whole 16-byte rows of the product."""
+        rows the GEMV does not take, whole 16-byte rows of the product, channel scales on 16 bytes
+        (the kernels that apply them read 8 at a time in vector loads)."""
         return (x.group is None and not w.block and x.rows > 0 and not self._gemv_fits(x, x.q.shape[1])
-                and x.q.shape[0] == x.rows and w.q.shape[1] == x.q.shape[1] and w.q.shape[0] % 8 == 0)
+                and x.q.shape[0] == x.rows and w.q.shape[1] == x.q.shape[1] and w.q.shape[0] % 8 == 0
+                and w.scale.data.ptr % 16 == 0)
 
     def _unit_scale_product(self, x: Fp8Activation, w: Fp8Weight) -> cupy.ndarray:
         """bf16 sums of the codes' products, x @ w^T with unit scales (the per-tensor kernel): the
