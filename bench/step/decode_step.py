@@ -90,12 +90,14 @@ def random_runner(preset: str, device: str, max_model_len: int, **engine: object
 
 
 def build_runner(preset: str, max_seqs: int, context: int, enforce_eager: bool, device: str = "cuda",
-                 prefill: int = 0, **engine: object):
-    """`engine`: further EngineConfig fields (quantization, kv_cache_dtype)."""
+                 prefill: int = 0, max_model_len: int = 0, **engine: object):
+    """`engine`: further EngineConfig fields (quantization, kv_cache_dtype). max_model_len: the
+    engine's (at least what the steps need); a server's is larger than its contexts, and the decode
+    graphs size their attention's key splits for it."""
     blocks = max_seqs * blocks_per_seq(context) + 16 + -(-prefill // 16)
     max_seqs += prefill > 0
     # the longest sequence is a decode's context or the new prompt, whichever is longer
-    max_len = 16 * max(blocks_per_seq(context), -(-prefill // 16))
+    max_len = max(max_model_len, 16 * max(blocks_per_seq(context), -(-prefill // 16)))
     return random_runner(preset, device, max_len, max_num_seqs=max_seqs,
                          max_num_batched_tokens=max(2048, max_seqs + prefill), num_gpu_blocks=blocks,
                          enforce_eager=enforce_eager, **engine)
@@ -204,6 +206,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="prompt tokens of a new request in every step")
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine's, as a server runs it (e.g. 16384; default: what the steps need)")
     ap.add_argument("--bandwidth", type=float, default=BANDWIDTH / 1e12,
                     help="TB/s the floors assume (default: the H200's measured copy rate)")
     args = ap.parse_args()
@@ -214,7 +218,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         t_build = time.perf_counter()
         runner, mc = build_runner(args.preset, max(batches), args.context, mode == "eager", args.device,
-                                  args.prefill, quantization=args.quantization,
+                                  args.prefill, args.max_model_len, quantization=args.quantization,
                                   kv_cache_dtype=args.kv_cache_dtype)
         print(f"{mode}: runner built in {time.perf_counter() - t_build:.1f} s "
               f"({len(runner.graphs)} decode graphs, {len(runner.layer_graphs)} per-layer graph sets)",

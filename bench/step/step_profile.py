@@ -97,6 +97,7 @@ def main() -> None:
                     help="prompt tokens of a new request beside the decodes in every step (a mixed step)")
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=0, help="the engine's (decode_step's flag)")
     ap.add_argument("--trace", default=None)
     args = ap.parse_args()
     import torch
@@ -104,6 +105,7 @@ def main() -> None:
 
     torch.cuda.init()
     runner, mc = build_runner(args.preset, args.batch, args.context, False, prefill=args.prefill,
+                              max_model_len=args.max_model_len,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     eos = lambda _rid: ()  # noqa: E731
     # warm-up, one, then two runs
