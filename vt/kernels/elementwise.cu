@@ -134,15 +134,15 @@ extern "C" __global__ void write_kv_k(const bf16_t* __restrict__ k, int k_stride
     }
 }
 
-// x * s + b (b may be null), rounded to bf16 as the projection's stored output would be.
 // f[e] *= xs * ws[e]: a unit-scale fp8 product given its token's and its 8 channels' scales (one
 // float32 product of the two scales, then one of the value), before scale_bias8 rounds it.
 __device__ __forceinline__ void unit_scales8(float* f, float xs, const float* __restrict__ ws) {
-    const float4 a = *reinterpret_cast<const float4*>(ws), b = *reinterpret_cast<const float4*>(ws + 4);
-    const float w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    float w[8];
+    load8_f32(ws, w);
     for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(f[e], __fmul_rn(xs, w[e]));
 }
 
+// x * s + b (b may be null), rounded to bf16 as the projection's stored output would be.
 __device__ __forceinline__ void scale_bias8(float* f, float s, const bf16_t* b) {
     float g[8];
     if (b != nullptr) load8(b, g);
