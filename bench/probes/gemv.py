@@ -9,7 +9,8 @@ in one captured graph, the weight rotating through copies so every call reads it
 of REPLAYS replays; the backend's gemv_max_tokens switches between the two paths. Each line: us a
 call on either path, and the GEMV's weight bytes a second as a share of the card's copy bandwidth
 (measured here with a device-to-device copy).
---sweep UxB,... recompiles gemv.cu with GEMV_UNROLL_BF16 = GEMV_UNROLL_FP8 = U and GEMV_MIN_BLOCKS = B
+--sweep UxB,... recompiles gemv.cu with GEMV_UNROLL_BF16 = GEMV_UNROLL_FP8 = U and GEMV_MIN_BLOCKS =
+GEMV_MIN_BLOCKS_FP8_8 = B
 for each pair and times each build's GEMV (cuBLAS once, beside the first).
 """
 
@@ -55,7 +56,7 @@ def build(unroll: int, min_blocks: int):
 
     return cupy.RawModule(code=translation_unit("gemv.cu"), options=(
         "-std=c++17", f"-DGEMV_UNROLL_BF16={unroll}", f"-DGEMV_UNROLL_FP8={unroll}",
-        f"-DGEMV_MIN_BLOCKS={min_blocks}"))
+        f"-DGEMV_MIN_BLOCKS={min_blocks}", f"-DGEMV_MIN_BLOCKS_FP8_8={min_blocks}"))
 
 
 def use_build(cb, unroll: int, min_blocks: int) -> None:

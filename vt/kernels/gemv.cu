@@ -30,6 +30,12 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
 #endif
+// fp8's one-tile kernel (1-8 tokens) at three blocks an SM: 80 registers, no spills, so an 8B qkv's
+// 384 blocks run in one wave of 396 rather than 1.45 waves of 264. The two-tile kernel spills at
+// that bound and keeps GEMV_MIN_BLOCKS.
+#ifndef GEMV_MIN_BLOCKS_FP8_8
+#define GEMV_MIN_BLOCKS_FP8_8 3
+#endif
 
 struct GemvScales {  // fp8 only; all null for bf16
     const float* xs;
@@ -125,16 +131,16 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
 
 // Grid: ceil(n / 16) blocks of 256 threads; *8_k take up to 8 tokens, *16_k up to 16.
 // fp8: xq e4m3 [tokens, k] (row stride k), wq e4m3 [n, k]; k a multiple of 64 (128 with block).
-#define GEMV_FP8_ENTRY(NAME, TILES)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS) NAME(                  \
+#define GEMV_FP8_ENTRY(NAME, TILES, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS) NAME(                       \
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
         bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
         gemv<TILES, true, GEMV_UNROLL_FP8>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, \
                                            y, ldy, tokens, n, k / 64, accumulate);                         \
     }
-GEMV_FP8_ENTRY(gemv_fp8_8_k, 1)
-GEMV_FP8_ENTRY(gemv_fp8_16_k, 2)
+GEMV_FP8_ENTRY(gemv_fp8_8_k, 1, GEMV_MIN_BLOCKS_FP8_8)
+GEMV_FP8_ENTRY(gemv_fp8_16_k, 2, GEMV_MIN_BLOCKS)
 
 // bf16: x [tokens, k] (row stride ldx elements, 16-byte aligned rows), w [n, k] row-major; k a
 // multiple of 32; bias [n] or null.
