@@ -101,10 +101,11 @@ SIM_SCALAR_ATTENTION(attention_r4_kv8)
 _COMBINE = """
 extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, unsigned threads,
                                        size_t smem, const float* part_o, const float* part_ml,
-                                       const int* qsl, int num_seqs, bf16_t* out, int total_tokens,
-                                       int hq, int d, int num_splits) {
+                                       const int* qsl, const int* seq_lens, int num_seqs, bf16_t* out,
+                                       int total_tokens, int hq, int d, int num_splits, int key_tile) {
     return sim::launch(gx, gy, gz, threads, smem, [&] {
-        attention_combine_k(part_o, part_ml, qsl, num_seqs, out, total_tokens, hq, d, num_splits); });
+        attention_combine_k(part_o, part_ml, qsl, seq_lens, num_seqs, out, total_tokens, hq, d, num_splits,
+                            key_tile); });
 }
 """
 
@@ -216,14 +217,31 @@ class SimAttention:
         self.wg = build("attention_wg.cu")
         self.scalar = build("attention.cu")
         self.scalar.sim_attention_combine_k.argtypes = _LAUNCH_ARGTYPES + [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
     def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
                seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
-               late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
-        """late: asynchronous copies and wgmma products land only at the waits that guarantee
+               late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0),
+               key_tile: int = 0) -> np.ndarray:
+        """The attention kernel (partials), then with splits > 1 attention_combine_k told key_tile
+        (attention_plan.combine_key_tile; 0 merges every split): the output rows."""
+        out, part_o, part_ml = self.partials(kernel, grid, threads, smem, q, k_cache, v_cache,
+                                             query_start_loc, seq_lens, block_tables, scale, splits, late,
+                                             order, kv_scales)
+        if splits > 1:
+            self.combine(part_o, part_ml, query_start_loc, seq_lens, out, key_tile)
+        return out
+
+    def partials(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
+                 q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
+                 seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
+                 late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The attention kernel alone: (out, part_o, part_ml), out written with one split, the
+        split partials (None with one) otherwise.
+        late: asynchronous copies and wgmma products land only at the waits that guarantee
         them (a read before its wait sees stale data); otherwise at issue (a buffer refilled
         while still read shows). order: which thread runs when one blocks (sim_runtime.h: 0
         round-robin, 1 lowest first, 2 highest first, 3+ seeded random); a barrier missing
@@ -250,9 +268,16 @@ class SimAttention:
                              "launched with")
         if rc:
             raise ValueError(f"{kernel}: launch refused ({threads} threads, {smem} bytes of shared memory)")
-        if splits > 1:
-            b = seq_lens.shape[0]
-            rc = self.scalar.sim_attention_combine_k(t * hq, 1, 1, 64, 0, _ptr(part_o), _ptr(part_ml),
-                                                     _ptr(query_start_loc), b, _ptr(out), t, hq, d, splits)
-            assert rc == 0
+        return out, part_o, part_ml
+
+    def combine(self, part_o: np.ndarray, part_ml: np.ndarray, query_start_loc: np.ndarray,
+                seq_lens: np.ndarray, out: np.ndarray, key_tile: int = 0) -> np.ndarray:
+        """attention_combine_k over split partials [splits, T, Hq, D | 2] into out [T, Hq, D]
+        (bf16 bits), as cuda_ops launches it: key_tile 0 merges every split."""
+        splits, t, hq, d = part_o.shape
+        assert part_o.flags.c_contiguous and part_ml.flags.c_contiguous and out.flags.c_contiguous
+        rc = self.scalar.sim_attention_combine_k(t * hq, 1, 1, 64, 0, _ptr(part_o), _ptr(part_ml),
+                                                 _ptr(query_start_loc), _ptr(seq_lens), seq_lens.shape[0],
+                                                 _ptr(out), t, hq, d, splits, key_tile)
+        assert rc == 0
         return out

@@ -454,6 +454,23 @@ def test_attention_ragged_paged(cb, nb, rng, q_lens, ctx_lens, hq, hk, d):
     assert rel_err(got, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (16, 1, 64), (16, 2, 256)])  # decode8, decode, r2
+def test_decode_sized_for_a_long_context_over_short_ones(cb, nb, rng, hq, hk, d):
+    """A decode launch sized for 16384 keys (a decode graph's max_model_len) over short contexts:
+    many key splits, most past every key of a row, which the combine then skips
+    (attention_plan.combine_key_tile; tests/cuda_sim checks it bit for bit against every split)."""
+    q_lens, ctx_lens = [1] * 5, [1, 64, 65, 384, 2600]
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
+    scale = d**-0.5
+    ref = nb.attention(q, kc, vc, qsl, seq_lens, table, scale, 1, max(ctx_lens))
+    poison(cb)
+    with cb.slot(0):
+        dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+        out = cb.attention(act(cb, q), act(cb, kc), act(cb, vc), *dev, scale, 1, 16384)
+        got = cb.to_host(out)
+    assert rel_err(got, ref) < BF16_TOL
+
+
 @pytest.mark.parametrize("tiling", sorted(PREFILL_TILINGS))
 @pytest.mark.parametrize(
     "q_lens,ctx_lens,hq,hk,d",

@@ -8,12 +8,16 @@ import math
 import pytest
 
 from vt.kernels.attention_plan import (
+    CUDA_CORE_KEY_TILE,
     PREFILL_TILINGS,
+    TC_KEY_TILE,
     TC_MAX_CACHE_ELEMS,
     attention_kernel,
+    combine_key_tile,
     key_splits,
     tc_smem,
 )
+from vt.kernels.sources import translation_unit
 
 
 def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one():
@@ -37,6 +41,33 @@ def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one
     # a cache past the tensor-core kernels' 32-bit offsets (16-byte units) takes the CUDA cores
     assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS - 8)[0] == "attention_tc_d128_decode8"
     assert attention_kernel(4, 1, 128, TC_MAX_CACHE_ELEMS)[:2] == ("attention_r1", False)
+
+
+def test_the_combine_gets_the_decode_kernels_key_tile():
+    """A launch of one query row a sequence on a decode kernel: its key tile (the constants the
+    kernel files are built with), so the combine repeats its chunking; prompts, and decode rows on a
+    prompt tiling (GQA groups over 16), merge every split (0)."""
+    assert (CUDA_CORE_KEY_TILE, TC_KEY_TILE) == (32, 64)
+    assert f"#define KT {CUDA_CORE_KEY_TILE}\n" in translation_unit("attention.cu")
+    assert f"#define TC_KT {TC_KEY_TILE}\n" in translation_unit("attention_tc.cu")
+    for group, d, kv8, name in [
+        (4, 128, False, "attention_tc_d128_decode8"),
+        (4, 128, True, "attention_tc_d128_decode8_kv8"),
+        (16, 64, False, "attention_tc_d64_decode"),
+        (16, 64, True, "attention_tc_d64_decode_kv8"),
+    ]:
+        k = attention_kernel(group, 1, d, kv8=kv8)
+        assert k.name == name
+        assert combine_key_tile(k, 1) == TC_KEY_TILE
+        assert combine_key_tile(k, 2) == 0  # a row tile of several tokens: they see different keys
+    for group, d, cache, name in [(8, 256, 0, "attention_r2"), (4, 128, TC_MAX_CACHE_ELEMS, "attention_r1")]:
+        k = attention_kernel(group, 1, d, cache)
+        assert k.name == name
+        assert combine_key_tile(k, 1) == CUDA_CORE_KEY_TILE
+        assert combine_key_tile(k, 3) == 0
+    wide = attention_kernel(32, 1, 128)  # 32 rows a kv head: the prompt tiling
+    assert not wide.name.startswith("attention_tc_d128_decode") and combine_key_tile(wide, 1) == 0
+    assert combine_key_tile(attention_kernel(4, 300, 128), 300) == 0
 
 
 def test_prefill_tilings_size_their_blocks():

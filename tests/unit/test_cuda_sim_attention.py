@@ -19,6 +19,7 @@ from vt.kernels.attention_plan import (
     FALLBACK_PREFILL_TILING,
     PREFILL_TILINGS,
     attention_kernel,
+    combine_key_tile,
 )
 from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
@@ -73,7 +74,8 @@ def _check(sim, rng, q_lens, ctx_lens, hq, hk, d, splits=1, tiling=DEFAULT_PREFI
     plan = attention_kernel(hq // hk, max(q_lens), d, prefill=tiling, kv8=kv_scales is not None)
     grid = (plan.row_tiles, hk, len(q_lens) * splits)
     out = sim.launch(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale, splits,
-                     late=late, order=order, kv_scales=kv_scales or (1.0, 1.0))
+                     late=late, order=order, kv_scales=kv_scales or (1.0, 1.0),
+                     key_tile=combine_key_tile(plan, max(q_lens)))
     assert _rel_err(_float(out), ref) < BF16_TOL, plan.name
     return plan.name
 
@@ -176,6 +178,95 @@ def test_cuda_core_attention_matches_numpy(sim, q_lens, ctx_lens, hq, hk, d, spl
     """Head dims without a tensor-core kernel run attention.cu's CUDA-core kernels."""
     name = _check(sim, np.random.default_rng(d + hq), q_lens, ctx_lens, hq, hk, d, splits=splits)
     assert name.startswith("attention_r")
+
+
+# ---- the decode combine: only the splits that hold keys ------------------------------------------
+COMBINE_SPLITS = 40  # what key_splits gives a batch-1 decode graph sized for a long context
+
+
+def _active_splits(seq_len: int, key_tile: int, splits: int) -> int:
+    """The splits a decode row's keys land in: attn_block's chunking (cuda_common.cu's key_chunks),
+    split s taking tiles [s * chunk, (s + 1) * chunk) of the ntiles."""
+    ntiles = -(-seq_len // key_tile)
+    chunk = -(-ntiles // splits)
+    return -(-ntiles // chunk) if chunk else 0
+
+
+def _decode_partials(sim, q_lens, ctx_lens, hq, hk, d, kv8, seed):
+    """A decode launch over COMBINE_SPLITS splits on the host simulator: the plan, the batch's
+    query_start_loc and seq_lens, the split partials and the all-splits merge (checked against
+    numpy)."""
+    rng = np.random.default_rng(seed)
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx_lens, hq, hk, d, 16)
+    scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
+    if kv8:
+        kc, vc = (to_e4m3(_float(c) * 40) for c in (kc, vc))
+        ref = NumpyBackend().attention(_float(q), kc, vc, qsl, seq_lens, table, scale, 1, max(ctx_lens),
+                                       kv_scales=kv_scales)
+        kc, vc = kc.view(np.uint8), vc.view(np.uint8)
+    else:
+        ref = NumpyBackend().attention(_float(q), _float(kc), _float(vc), qsl, seq_lens, table, scale, 1,
+                                       max(ctx_lens))
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    grid = (plan.row_tiles, hk, len(q_lens) * COMBINE_SPLITS)
+    out, part_o, part_ml = sim.partials(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens,
+                                        table, scale, COMBINE_SPLITS, kv_scales=kv_scales)
+    full = sim.combine(part_o, part_ml, qsl, seq_lens, out.copy())
+    assert _rel_err(_float(full), ref) < BF16_TOL, plan.name
+    return plan, qsl, seq_lens, part_o, part_ml, full
+
+
+def _poison(part_o, part_ml, splits: slice, token: int) -> None:
+    """Partials a merge must not read: a finite m (an m of -inf or NaN weighs nothing) over NaN o."""
+    part_o[splits, token] = np.nan
+    part_ml[splits, token] = (0.0, 1.0)
+
+
+@pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
+    (8, 2, 128, False, "attention_tc_d128_decode8"),
+    (16, 1, 64, False, "attention_tc_d64_decode"),
+    (8, 2, 128, True, "attention_tc_d128_decode8_kv8"),
+    (16, 1, 64, True, "attention_tc_d64_decode_kv8"),
+    (8, 4, 96, False, "attention_r1"),
+    (16, 2, 256, True, "attention_r2_kv8"),
+])
+def test_decode_combine_reads_only_the_splits_holding_keys(sim, hq, hk, d, kv8, kernel):
+    """A decode launch split for a long context over short, varied ones: the combine told the
+    kernel's key tile merges only the splits that hold each row's keys, bit for bit the merge of
+    every split. The others carry m = -inf, and are poisoned before the combine runs: reading
+    one shows. Told a wrong tile (4x or a quarter), it reads the wrong splits and differs."""
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    assert plan.name == kernel
+    kt = combine_key_tile(plan, 1)
+    # one key; one tile (one split); a tile and a key; partial tiles; 384 keys (at 64 a tile);
+    # one tile a split (every split); a tile more (two tiles a split, 21 splits)
+    ctx = [1, kt, kt + 1, 3 * kt + 17, 6 * kt, COMBINE_SPLITS * kt, COMBINE_SPLITS * kt + 1]
+    plan, qsl, seq_lens, part_o, part_ml, full = _decode_partials(sim, [1] * len(ctx), ctx, hq, hk, d, kv8,
+                                                                  d + hq + kv8)
+    active = [_active_splits(c, kt, COMBINE_SPLITS) for c in ctx]
+    assert active == [1, 1, 2, 4, 6, 40, 21]
+    for b, n in enumerate(active):  # the kernel's chunking is the one mirrored here
+        m = part_ml[:, b, :, 0]
+        assert np.isfinite(m[:n]).all() and (m[n:] == -np.inf).all(), b
+        _poison(part_o, part_ml, slice(n, None), b)
+    got = sim.combine(part_o, part_ml, qsl, seq_lens, np.zeros_like(full), key_tile=kt)
+    np.testing.assert_array_equal(got, full)
+    for wrong in (4 * kt, kt // 4):
+        told = sim.combine(part_o, part_ml, qsl, seq_lens, np.zeros_like(full), key_tile=wrong)
+        assert not np.array_equal(told, full), wrong
+
+
+def test_decode_combine_after_a_sequence_without_a_token_reads_every_split(sim):
+    """A row's sequence is its token's index only while every sequence before has one token:
+    after an empty one (token 1 is sequence 2's, of 2600 keys in 21 splits; sequence 1 has 700
+    keys in 11), the combine merges every split and still gives the all-splits bits. The splits
+    past sequence 0's keys are poisoned: its row still reads only its own."""
+    q_lens, ctx = [1, 0, 1, 1], [1, 700, 2600, 65]
+    plan, qsl, seq_lens, part_o, part_ml, full = _decode_partials(sim, q_lens, ctx, 8, 2, 128, False, 41)
+    kt = combine_key_tile(plan, 1)
+    _poison(part_o, part_ml, slice(1, None), 0)
+    got = sim.combine(part_o, part_ml, qsl, seq_lens, np.zeros_like(full), key_tile=kt)
+    np.testing.assert_array_equal(got, full)
 
 
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):

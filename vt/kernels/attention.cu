@@ -30,7 +30,9 @@ __device__ __forceinline__ uint4 load_kv8(const bf16_t* cache, size_t at) {
     }
 }
 
-#define KT 32
+// KT (keys a tile) is attention_plan.CUDA_CORE_KEY_TILE (sources.py defines it), which the
+// launcher also hands attention_combine_k for its chunking.
+static_assert(KT == 32, "lane l scores key l of a tile");
 #define MAXP 4  // head dim up to 256
 
 template <int R, bool KV8>
@@ -211,16 +213,31 @@ __device__ __forceinline__ void merge_split_partials(const float* part_o, const 
 
 // Merge split partials of every (token, head) row: one block of 64 threads per row.
 // Rows no split wrote (padding tokens) are left alone by checking the coverage mask.
+// key_tile > 0 (attention_plan.combine_key_tile: a launch of one query row a sequence, whose
+// kernel split tiles of key_tile keys): only the splits holding keys of the row's sequence are
+// read, found by the kernel's own chunking (key_chunks) of its length. A decode graph sized for a
+// long context splits 30-60 ways however short the real one; the splits past the keys carry
+// m = -inf and weigh nothing, and the ones read are the leading ones in order, so the sums are
+// the same bits. key_tile 0: every split.
 extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                               const int* __restrict__ query_start_loc, int num_seqs,
+                                               const int* __restrict__ query_start_loc,
+                                               const int* __restrict__ seq_lens, int num_seqs,
                                                bf16_t* __restrict__ out, int total_tokens, int hq, int d,
-                                               int num_splits) {
+                                               int num_splits, int key_tile) {
     const int row = blockIdx.x;  // t * hq + h
     const int t = row / hq;
     // rows of no sequence here: padding past the last one, or rows before the first (a launch
     // over a later part of the batch)
-    if (t < query_start_loc[0] || t >= query_start_loc[num_seqs]) return;
-    merge_split_partials(part_o, part_ml, num_splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
+    const int first = query_start_loc[0];
+    if (t < first || t >= query_start_loc[num_seqs]) return;
+    int splits = num_splits;
+    const int b = t - first;  // the row's sequence, unless one before it has no token
+    if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1) {
+        // one query row sees every key of its sequence: the kernel's kv_end is seq_lens[b]
+        const KeyChunks c = key_chunks(seq_lens[b], key_tile, num_splits);
+        splits = c.chunk > 0 ? (c.ntiles + c.chunk - 1) / c.chunk : 0;  // the s with s * chunk < ntiles
+    }
+    merge_split_partials(part_o, part_ml, splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                          out + (size_t)row * d, d);
 }
 

@@ -21,6 +21,7 @@ from vt.kernels.attention_plan import (
     TC_HEAD_DIMS,
     attention_kernel,
     attention_partial_bytes,
+    combine_key_tile,
     key_splits,
     max_splits_within,
 )
@@ -208,11 +209,14 @@ class AttentionOps(CudaCore):
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
         launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
         if splits > 1:
+            # a decode launch's combine reads only the splits that hold each row's keys
+            key_tile = combine_key_tile(plan, max_query_len)
             self._launch(
                 "attention_combine_k",
                 (t * hq,),
                 (64,),
-                (part_o, part_ml, query_start_loc, _i32(b), out, _i32(t), _i32(hq), _i32(d), _i32(splits)),
+                (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
+                 _i32(splits), _i32(key_tile)),
             )
         return out
 

@@ -14,6 +14,10 @@ TC_STAGES = 3  # key tiles in flight per block in attention_tc.cu
 # ... in its decode8 kernels reading an fp8 cache, whose blocks hold no bf16 tile (50 KB at 3)
 DEC8_KV8_STAGES = 3
 MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
+# Keys a tile, the unit a launch's key splits share out (cuda_common.cu's attn_block): of
+# attention.cu's CUDA-core kernels (KT) and attention_tc.cu's (TC_KT), both defined from these
+CUDA_CORE_KEY_TILE = 32
+TC_KEY_TILE = 64
 KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
 
 
@@ -178,6 +182,19 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     half = d // 2
     smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
     return AttnKernel(f"attention_r{r}{suffix}", False, -(-rows // (4 * r)), smem, 128)
+
+
+def combine_key_tile(kernel: AttnKernel, max_query_len: int) -> int:
+    """The key tile attention_combine_k recomputes `kernel`'s split chunking with, to merge only
+    the splits that hold keys of a row's sequence; 0 = every split. Only where each sequence has
+    one query row (decode: every row sees all its sequence's keys, so the chunking is the
+    sequence length's alone) and on the decode kernels (CUDA-core ones, tensor-core decode and
+    decode8); a prompt tiling serving decode rows (GQA groups over 16) keeps the full merge."""
+    if max_query_len != 1:
+        return 0
+    if not kernel.tensor_cores:
+        return CUDA_CORE_KEY_TILE
+    return TC_KEY_TILE if kernel.name.startswith("attention_tc_d") and "_decode" in kernel.name else 0
 
 
 def key_splits(blocks: int, resident: int, max_seq_len: int, max_splits: int = MAX_KEY_SPLITS) -> int:

@@ -11,9 +11,11 @@
 // Scores live in the log2 domain (scale * log2 e) with an online softmax in fp32; P is rounded
 // to bf16 for the P.V product. Split partials (o, m, l) use attention_combine_k's layout.
 
-#define TC_KT 64
 // TC_STAGES (key tiles in flight per block) is defined by cuda_ops from attention_plan.TC_STAGES,
 // which also sizes the shared memory; DEC8_KV8_STAGES likewise for the decode8 kernels reading fp8.
+// TC_KT (keys a tile) likewise from attention_plan.TC_KEY_TILE, which the launcher also hands
+// attention_combine_k for its chunking.
+static_assert(TC_KT == 64, "the tiles' warp shares and shared memory (tc_smem) are laid out for 64 keys");
 
 // The K/V tiles of one (sequence, kv head, key split) through shared memory, TC_KT keys a tile
 // and STAGES tiles in flight. The cache rows of each tile are staged in shared memory as 32-bit

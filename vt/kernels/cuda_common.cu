@@ -127,6 +127,16 @@ __device__ __forceinline__ void grid_dependency_wait() {
 struct AttnBlock {
     int group, kh, b, split, q0, qlen, ctx, nrows, row0, kv_end, tile0, tile1;
 };
+// The chunking of a block's keys: ntiles tiles of kt keys up to kv_end, split s taking tiles
+// [s * chunk, min(ntiles, (s + 1) * chunk)). attention_combine_k repeats it to find the splits
+// of a decode row that hold keys.
+struct KeyChunks {
+    int ntiles, chunk;
+};
+__device__ __forceinline__ KeyChunks key_chunks(int kv_end, int kt, int num_splits) {
+    const int ntiles = (kv_end + kt - 1) / kt;
+    return {ntiles, (ntiles + num_splits - 1) / num_splits};
+}
 __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, const int* seq_lens, int hq, int hk,
                                                 int num_splits, int rows_per_block, int kt,
                                                 bool longest_first = false) {
@@ -142,10 +152,9 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     a.row0 = (longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rows_per_block;
     const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
     a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
-    const int ntiles = (a.kv_end + kt - 1) / kt;
-    const int chunk = (ntiles + num_splits - 1) / num_splits;
-    a.tile0 = a.split * chunk;
-    a.tile1 = min(ntiles, a.tile0 + chunk);
+    const KeyChunks c = key_chunks(a.kv_end, kt, num_splits);
+    a.tile0 = a.split * c.chunk;
+    a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
     return a;
 }
 // A tensor-core prompt kernel's place as locals (the kernel's ATTN_TC_PARAMS in scope), longest

@@ -30,11 +30,14 @@ def read_source(name: str) -> str:
 def defines(fname: str) -> str:
     """Compile-time constants a kernel file takes from the Python side that also sizes its
     launches."""
+    # read at call time, so a benchmark may set other values before the kernels are built
+    if fname == "attention.cu":
+        return f"#define KT {attention_plan.CUDA_CORE_KEY_TILE}\n"
     if fname != "attention_tc.cu":
         return ""
-    # read at call time, so a benchmark may set other values before the kernels are built
     return (f"#define TC_STAGES {attention_plan.TC_STAGES}\n"
-            f"#define DEC8_KV8_STAGES {attention_plan.DEC8_KV8_STAGES}\n")
+            f"#define DEC8_KV8_STAGES {attention_plan.DEC8_KV8_STAGES}\n"
+            f"#define TC_KT {attention_plan.TC_KEY_TILE}\n")
 
 
 def translation_unit(fname: str, replace: Mapping[str, str] | None = None) -> str:
