@@ -122,6 +122,66 @@ def test_prologue_matches_numpy(lib, hq, hk, d, parts, token_blocks, prescale):
     assert not _float(k_cache).reshape(nb * bs, hk, d)[[s for s in range(nb * bs) if s not in slots]].any()
 
 
+@pytest.mark.parametrize(
+    ("hq", "hk", "d", "parts"),
+    [
+        (32, 8, 128, 1),  # 8B's 48 rows: three passes of 16 in one part
+        (28, 4, 128, 1),  # 36 rows: three passes, the last a quarter full
+        (64, 16, 64, 1),  # 96 rows of 8 lanes: three passes of 32
+        (64, 8, 128, 2),  # 80 rows: part 0 takes three passes, part 1 two
+        (56, 8, 128, 2),  # 72 rows: three (the last half full) and two
+    ],
+)
+@pytest.mark.parametrize("prescale", [False, True])
+@pytest.mark.parametrize("kv8", [False, True])
+def test_prologue_passes_match_one_pass_blocks(lib, hq, hk, d, parts, prescale, kv8):
+    """A block that takes several passes over its token's rows (the later passes' rows loaded
+    while earlier ones are computed) leaves bit for bit what blocks of one pass each leave (a grid
+    of as many parts as passes: nothing loaded ahead), over tokens that blocks stride across."""
+    rng = np.random.default_rng(hq * d + parts + 2 * prescale + kv8)
+    t, token_blocks, nb, bs, eps = 5, 2, 4, 4, 1e-6
+    rows, width = hq + 2 * hk, (hq + 2 * hk) * d
+    qkv = _bits(rng.standard_normal((t, width)) * 4)
+    q_norm, k_norm = _bits(1 + 0.1 * rng.standard_normal(d)), _bits(1 + 0.1 * rng.standard_normal(d))
+    positions = rng.integers(0, 500, t).astype(np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    slots = np.array([3, 7, -1, 12, 0], np.int32)
+    rms_of = _bits(rng.standard_normal((t, 64))) if prescale else None
+    bias = _bits(0.1 * rng.standard_normal(width)) if prescale else None
+    fn, dtype, kv_scales = ((lib.sim_qk_norm_rope_write_kv8_k, np.uint8, (0.05, 0.02)) if kv8
+                            else (lib.sim_qk_norm_rope_write_kv_k, np.uint16, (1.0, 1.0)))
+    groups = 256 // (1 << (d // 8 - 1).bit_length())  # rows a block takes a pass
+    outs = []
+    for grid_parts in (parts, -(-rows // groups)):
+        x = qkv.copy()
+        k_cache, v_cache = np.zeros((nb, bs, hk, d), dtype), np.zeros((nb, bs, hk, d), dtype)
+        rc = fn(grid_parts, token_blocks, 1, 256, 0, _ptr(x), width, _ptr(x, hq * d), width,
+                _ptr(x, (hq + hk) * d), width, _ptr(q_norm), _ptr(k_norm), eps, _ptr(positions),
+                _ptr(inv_freq), _ptr(k_cache), _ptr(v_cache), _ptr(slots), nb * bs, t, hq, hk, d,
+                _ptr(rms_of), 0 if rms_of is None else rms_of.shape[1], _ptr(bias), *kv_scales, None, None)
+        assert rc == 0
+        outs.append((x, k_cache, v_cache))
+    (got, kc, vc), (want, kc_want, vc_want) = outs
+    assert rows > 2 * groups * parts  # some part takes three passes
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(kc, kc_want)
+    np.testing.assert_array_equal(vc, vc_want)
+    assert kc.any() and vc.any()
+    if not kv8:  # and the one-pass blocks agree with numpy
+        ref = _float(qkv)
+        q = ref[:, : hq * d].reshape(t, hq, d).copy()
+        k = ref[:, hq * d : (hq + hk) * d].reshape(t, hk, d).copy()
+        v = ref[:, (hq + hk) * d :].reshape(t, hk, d).copy()
+        kc_np, vc_np = np.zeros((nb, bs, hk, d), np.float32), np.zeros((nb, bs, hk, d), np.float32)
+        NumpyBackend().qk_norm_rope_write_kv(q, k, v, _float(q_norm), _float(k_norm), eps, positions,
+                                             inv_freq, kc_np, vc_np, slots,
+                                             rms_of=None if rms_of is None else _float(rms_of),
+                                             bias=None if bias is None else _float(bias))
+        assert _rel(_float(want[:, : hq * d]).reshape(t, hq, d), q) < BF16_TOL
+        assert _rel(_float(kc_want), kc_np) < BF16_TOL
+        assert _rel(_float(vc_want), vc_np) < BF16_TOL
+
+
 @pytest.mark.parametrize("kv8", [False, True])
 @pytest.mark.parametrize(("hq", "hk", "d", "parts", "token_blocks"), [(4, 2, 128, 1, 5), (8, 2, 64, 2, 3)])
 def test_prologue_gives_a_unit_scale_product_its_scales_first(lib, hq, hk, d, parts, token_blocks, kv8):
