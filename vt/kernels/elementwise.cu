@@ -237,9 +237,6 @@ extern "C" __global__ void round_q_e4m3_pow2_k(bf16_t* __restrict__ q, int q_str
 template <bool KV8>
 __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
     constexpr int kv8 = KV8;
-    // Passes whose rows a thread holds loaded ahead: two in 64 registers; the fp8 cache's rounding
-    // leaves room for one (two spill).
-    constexpr int AHEAD = KV8 ? 1 : 2;
     __shared__ float scratch[32];
     __shared__ float rot_c[128], rot_s[128];
     // Attention, launched as a dependent, reads only the K/V this kernel does not write before
@@ -262,7 +259,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
                  : is_v ? v + (size_t)t * v_stride + (size_t)h * d : k + (size_t)t * k_stride + (size_t)h * d;
         };
         // This lane's 8 elements of the row its group takes at `base` (zeros past the rows).
-        // (Raw bf16 pairs: a row loaded ahead holds 4 registers, not 8, while the ones before are
+        // (Raw bf16 pairs: a row loaded ahead holds 4 registers, not 8, while the one before is
         // computed.)
         auto load_row = [&](int base) -> uint4 {
             const int row = base + (int)threadIdx.x / g;
@@ -273,14 +270,10 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
             f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
             f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
         };
-        // The first AHEAD + 1 rows are loaded before the token's tables are made, and each later
-        // one while the row AHEAD passes before it is computed: a block's rows are otherwise a
-        // chain of dependent loads (three passes of an 8B token's 48 rows, three round trips).
+        // The first row is loaded before the token's tables are made, and each later one while
+        // the one before is computed: a block's rows are otherwise a chain of dependent loads.
         float f[8];
-        uint4 ahead[AHEAD];  // the rows of the next AHEAD passes
         unpack_row(load_row(base0), f);
-#pragma unroll
-        for (int a = 0; a + 1 < AHEAD; ++a) ahead[a] = load_row(base0 + (a + 1) * base_step);
         const long long slot = slot_mapping[t];
         const bool cache = slot >= 0 && slot < num_slots;
         const float pos = (float)positions[t];
@@ -292,8 +285,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
         // Every lane of a warp runs every iteration (the shuffles need them all).
         for (int base = base0; base < rows; base += base_step) {
             const bool more = base + base_step < rows;
-            ahead[AHEAD - 1] =
-                base + AHEAD * base_step < rows ? load_row(base + AHEAD * base_step) : make_uint4(0u, 0u, 0u, 0u);
+            const uint4 fn = more ? load_row(base + base_step) : make_uint4(0u, 0u, 0u, 0u);
             const int row = base + (int)threadIdx.x / g;
             const bool mine = lane_live && row < rows;
             const bool is_v = row >= hq + hk, is_q = row < hq;
@@ -330,9 +322,7 @@ __device__ __forceinline__ void qk_norm_rope_write_kv_body(QK_PROLOGUE_PARAMS) {
                 store8(xr + sub * 8, r);
                 if (!is_q && cache) store_kv8(k_cache, ((size_t)slot * hk + h) * d + sub * 8, r, k_scale, kv8);
             }
-            if (more) unpack_row(ahead[0], f);
-#pragma unroll
-            for (int a = 0; a + 1 < AHEAD; ++a) ahead[a] = ahead[a + 1];
+            if (more) unpack_row(fn, f);
         }
     }
 }
