@@ -592,6 +592,83 @@ def test_attention_started_during_the_prologue_reads_what_it_wrote(cb, nb, rng, 
         np.testing.assert_array_equal(got, outs[False])
 
 
+@pytest.mark.parametrize("hq,hk,d,kv8", [
+    (32, 8, 128, False), (32, 8, 128, True),  # decode8 (the 8B model's heads)
+    (16, 1, 64, False), (16, 1, 64, True),    # decode (16-row tiles)
+    (16, 2, 256, False), (16, 2, 256, True),  # r2 (CUDA cores)
+])
+def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monkeypatch, hq, hk, d, kv8):
+    """VT_ATTN_SELF_COMBINE's path (cb.attn_self_combine): a decode launch sized for 16384 keys
+    over short contexts runs the _selfmerge kernel, whose last block of each group merges the key
+    splits: no attention_combine_k launch, the bits of the kernel and the combine, and the slot's
+    counters zero after. Replayed from a graph over other context lengths (each launch leaves the
+    counters zero for the next), still the eager two-launch bits."""
+    import cupy
+
+    from vt.kernels.attention_plan import ATTN_COUNTER_BYTES, SELF_MERGE_SUFFIX
+
+    ctx = [1, 64, 65, 384, 2600, 17, 5000]
+    t, scale = len(ctx), d**-0.5
+    if kv8:
+        q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, [1] * t, ctx, hq, hk, d)
+        caches, kv_scales = (_codes_on(cb, kc), _codes_on(cb, vc)), FP8_SCALES
+    else:
+        q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [1] * t, ctx, hq, hk, d, 16)
+        caches, kv_scales = (act(cb, kc), act(cb, vc)), (1.0, 1.0)
+    dev_q = act(cb, q)
+    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+
+    def counters() -> np.ndarray:
+        cupy.cuda.Device().synchronize()
+        return cupy.asnumpy(cb._slots[0].partials[-ATTN_COUNTER_BYTES:].view(np.int32))
+
+    def set_lens(lens: np.ndarray) -> None:
+        dev[1].set(lens)
+        cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
+
+    result = {}
+
+    def step() -> None:
+        result["out"] = cb.attention(dev_q, *caches, *dev, scale, 1, 16384, kv_scales=kv_scales)
+
+    def eager(self_merge: bool) -> np.ndarray:
+        monkeypatch.setattr(cb, "attn_self_combine", self_merge)
+        with cb.slot(0):
+            step()
+            return cb.to_host(result["out"])
+
+    assert not counters().any()  # zeroed with the slot's scratch
+    launched = record_launches(cb, monkeypatch)
+    lengths = [ctx, [max(1, c // 3) for c in ctx], [1] * t, ctx[::-1]]
+    want = []
+    for lens in lengths:
+        lens = np.minimum(np.asarray(lens, np.int32), seq_lens)  # within each sequence's blocks
+        set_lens(lens)
+        launched.clear()
+        want.append(eager(False))
+        assert "attention_combine_k" in launched, launched
+        launched.clear()
+        got = eager(True)
+        assert "attention_combine_k" not in launched, launched
+        assert any(n.endswith(SELF_MERGE_SUFFIX) for n in launched), launched
+        np.testing.assert_array_equal(got, want[-1])
+        assert not counters().any()
+        ref = nb.attention(q, kc, vc, qsl, lens, table, scale, 1, int(lens.max()),
+                           **({"kv_scales": FP8_SCALES} if kv8 else {}))
+        assert rel_err(want[-1], ref) < BF16_TOL
+    monkeypatch.setattr(cb, "attn_self_combine", True)
+    set_lens(seq_lens)
+    graph = cb.capture(0, step)
+    for _ in range(2):
+        for lens, w in zip(lengths, want, strict=True):
+            set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))
+            with cb.slot(0):
+                graph.replay()
+                got = cb.to_host(result["out"])
+            np.testing.assert_array_equal(got, w)
+            assert not counters().any()
+
+
 def test_attention_on_a_strided_q_view(cb, nb, rng):
     hq, hk, d, bs = 4, 2, 64, 8
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [6, 1], [6, 30], hq, hk, d, bs)

@@ -269,6 +269,72 @@ def test_decode_combine_after_a_sequence_without_a_token_reads_every_split(sim):
     np.testing.assert_array_equal(got, full)
 
 
+# ---- a decode launch merging its own splits (the _selfmerge kernels, VT_ATTN_SELF_COMBINE=1) ----
+def _self_merge_case(sim, q_lens, ctx, hq, hk, d, kv8, seed, runs=2):
+    """The decode launch over COMBINE_SPLITS splits with attention_combine_k after it (told the
+    kernel's key tile, as attention.py launches it), and its _selfmerge twin run `runs` times on
+    the same counters over NaN-poisoned partials: each run the same bits, the counters zero
+    after every one."""
+    rng = np.random.default_rng(seed)
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
+    scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
+    if kv8:
+        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    kt = combine_key_tile(plan, 1)
+    assert kt > 0
+    grid = (plan.row_tiles, hk, len(q_lens) * COMBINE_SPLITS)
+    launch = (plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale,
+              COMBINE_SPLITS)
+    out, part_o, part_ml = sim.partials(*launch, kv_scales=kv_scales)
+    want = sim.combine(part_o, part_ml, qsl, seq_lens, out, key_tile=kt)
+    counters = np.zeros(plan.row_tiles * hk * len(q_lens), np.int32)
+    for run in range(runs):
+        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True)
+        np.testing.assert_array_equal(got, want, err_msg=f"{plan.name}, run {run}")
+        assert not counters.any(), (plan.name, run, counters)
+    return plan
+
+
+@pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
+    (8, 2, 128, False, "attention_tc_d128_decode8"),
+    (8, 2, 128, True, "attention_tc_d128_decode8_kv8"),
+    (32, 8, 128, True, "attention_tc_d128_decode8_kv8"),  # the 8B model's heads
+    (8, 4, 64, False, "attention_tc_d64_decode8"),
+    (8, 4, 64, True, "attention_tc_d64_decode8_kv8"),
+    (32, 2, 128, False, "attention_tc_d128_decode"),
+    (32, 2, 128, True, "attention_tc_d128_decode_kv8"),
+    (16, 1, 64, False, "attention_tc_d64_decode"),
+    (16, 1, 64, True, "attention_tc_d64_decode_kv8"),
+    (8, 4, 96, False, "attention_r1"),
+    (8, 2, 96, True, "attention_r1_kv8"),
+    (16, 2, 96, False, "attention_r2"),
+    (16, 2, 256, True, "attention_r2_kv8"),
+    (64, 2, 96, False, "attention_r4"),  # two row tiles a kv head
+    (32, 2, 160, True, "attention_r4_kv8"),
+])
+def test_a_decode_launch_merges_its_own_splits_bit_for_bit(sim, hq, hk, d, kv8, kernel):
+    """Split for a long context over short, varied ones (keys in one split only, a tile and a key,
+    every split, past one tile a split): the _selfmerge twin's output is attention_combine_k's,
+    bit for bit, twice in a row on the same counters (the last block of each group resets its
+    own), which are zero after. The partials start as NaN, so a merge before every split holding
+    keys has written (the last block picked too early) or one reading a split without keys
+    shows."""
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    assert plan.name == kernel
+    kt = combine_key_tile(plan, 1)
+    ctx = [1, kt + 1, 3 * kt + 17, COMBINE_SPLITS * kt, COMBINE_SPLITS * kt + 1, 5]
+    assert [_active_splits(c, kt, COMBINE_SPLITS) for c in ctx] == [1, 2, 4, 40, 21, 1]
+    _self_merge_case(sim, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8)
+
+
+@pytest.mark.parametrize("kernel_kv8", [False, True])
+def test_self_merge_after_a_sequence_without_a_token(sim, kernel_kv8):
+    """A sequence of no token (its blocks return before writing, and never count) between
+    decodes: the others' rows still merge once, as the combine merges them."""
+    _self_merge_case(sim, [1, 0, 1, 1], [1, 700, 2600, 65], 8, 2, 128, kernel_kv8, 43, runs=3)
+
+
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):
     """A kernel run through a simulator that got ldmatrix or mma wrong would still 'pass' against
     a lenient check; this one reads V through the decode8 kernel's transposed path and must fail

@@ -8,8 +8,9 @@
 // the 32-key tile and owns output dims (2p, 2p + 1) for p = l + 32 i. Scores live in the log2
 // domain (q pre-scaled by scale * log2 e) with an online softmax in fp32.
 // With num_splits > 1 each split covers a slice of the key tiles and writes unnormalised
-// partials (o, m, l) that attention_combine_k merges; the slice is derived from the actual
-// seq_len, so a captured launch stays right for any context up to the one it was sized for.
+// partials (o, m, l) that attention_combine_k merges (or, in the _selfmerge kernels, the last
+// block of each row tile, kv head and sequence); the slice is derived from the actual seq_len, so
+// a captured launch stays right for any context up to the one it was sized for.
 //
 // Shared memory (dynamic): V tile [32][d/2] words, Q rows [4R][d/2] float2, K tile [32][d/2 + 1]
 // words (the pad word makes lane l's row start in bank l, so the score loop is conflict free).
@@ -179,37 +180,29 @@ ATTENTION_ENTRY(attention_r1_kv8, 1, true)
 ATTENTION_ENTRY(attention_r2_kv8, 2, true)
 ATTENTION_ENTRY(attention_r4_kv8, 4, true)
 
-// Merge the split partials of one output row into out_row: split s's partial is row where(s) of
-// part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
-// share the row's d / 2 pairs.
-template <typename Where>
-__device__ __forceinline__ void merge_split_partials(const float* part_o, const float* part_ml, int num_splits,
-                                                     Where where, bf16_t* out_row, int d) {
-    float mmax = -VT_INF;
-    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[where(s) * 2]);
-    float denom = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-        const size_t pr = where(s);
-        const float ms = part_ml[pr * 2];
-        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+// The same kernels merging their own key splits (VT_ATTN_SELF_COMBINE=1; attention_merge.cu's
+// merge_own_splits, as attention_tc.cu's SELF_MERGE_TC_ENTRY): counters, one int per (row tile,
+// kv head, sequence), zero before the launch and after it.
+#define SELF_MERGE_ENTRY(NAME, R, KV8)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
+        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
+        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
+        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int d,             \
+        int block_size, float scale_log2, int num_splits, float v_scale, int* counters) {                \
+        attention_body<R, KV8>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,   \
+                               max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,    \
+                               scale_log2, num_splits, v_scale);                                         \
+        extern __shared__ __align__(16) unsigned char smem[];                                            \
+        merge_own_splits(query_start_loc, seq_lens, hq, hk, num_splits, 4 * R, KT, part_o, part_ml, out, \
+                         total_tokens, d, counters, reinterpret_cast<int*>(smem));                       \
     }
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    const int half = d / 2;
-    for (int p = threadIdx.x; p < half; p += blockDim.x) {
-        float a = 0.f, c = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const size_t pr = where(s);
-            const float ms = part_ml[pr * 2];
-            if (ms > -VT_INF) {
-                const float wgt = exp2f(ms - mmax);
-                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
-                a += wgt * v.x;
-                c += wgt * v.y;
-            }
-        }
-        reinterpret_cast<unsigned int*>(out_row)[p] = pack2(a * inv, c * inv);
-    }
-}
+
+SELF_MERGE_ENTRY(attention_r1_selfmerge, 1, false)
+SELF_MERGE_ENTRY(attention_r2_selfmerge, 2, false)
+SELF_MERGE_ENTRY(attention_r4_selfmerge, 4, false)
+SELF_MERGE_ENTRY(attention_r1_kv8_selfmerge, 1, true)
+SELF_MERGE_ENTRY(attention_r2_kv8_selfmerge, 2, true)
+SELF_MERGE_ENTRY(attention_r4_kv8_selfmerge, 4, true)
 
 // Merge split partials of every (token, head) row: one block of 64 threads per row.
 // Rows no split wrote (padding tokens) are left alone by checking the coverage mask.
@@ -234,8 +227,7 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
     const int b = t - first;  // the row's sequence, unless one before it has no token
     if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1) {
         // one query row sees every key of its sequence: the kernel's kv_end is seq_lens[b]
-        const KeyChunks c = key_chunks(seq_lens[b], key_tile, num_splits);
-        splits = c.chunk > 0 ? (c.ntiles + c.chunk - 1) / c.chunk : 0;  // the s with s * chunk < ntiles
+        splits = splits_with_keys(seq_lens[b], key_tile, num_splits);
     }
     merge_split_partials(part_o, part_ml, splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                          out + (size_t)row * d, d);

@@ -12,12 +12,15 @@ import numpy as np
 
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import (
+    ATTN_COUNTER_BYTES,
+    ATTN_COUNTERS,
     DEFAULT_PREFILL_TILING,
     FALLBACK_PREFILL_TILING,
     KV8_SUFFIX,
     MAX_KEY_SPLITS,
     PREFILL_TILINGS,
     QK8_KERNEL,
+    SELF_MERGE_SUFFIX,
     TC_HEAD_DIMS,
     attention_kernel,
     attention_partial_bytes,
@@ -26,7 +29,14 @@ from vt.kernels.attention_plan import (
     max_splits_within,
 )
 from vt.kernels.cascade_plan import cascade_scratch, cascade_splits_within
-from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, requested_switch, token_stride
+from vt.kernels.cuda_core import (
+    CudaCore,
+    compile_cubin,
+    is_fp8_cache,
+    requested_count,
+    requested_switch,
+    token_stride,
+)
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
 # Each kernel and its twin reading an fp8 (e4m3) KV cache (KV8_SUFFIX).
@@ -37,13 +47,16 @@ _TC_KERNELS = (
       for k in t.kernels(kv8)),
 )
 _SCALAR_KERNELS = tuple(f"attention_r{r}{s}" for r in (1, 2, 4) for s in ("", KV8_SUFFIX))
+# The decode kernels' twins that merge their own key splits (VT_ATTN_SELF_COMBINE=1).
+_SELF_MERGE_TC = tuple(k + SELF_MERGE_SUFFIX for k in _TC_KERNELS if "_decode" in k)
+_SELF_MERGE_SCALAR = tuple(k + SELF_MERGE_SUFFIX for k in _SCALAR_KERNELS)
 # The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
 KERNELS = {
-    "attention.cu": (*_SCALAR_KERNELS, "attention_combine_k", "attention_cascade_prep_k",
+    "attention.cu": (*_SCALAR_KERNELS, *_SELF_MERGE_SCALAR, "attention_combine_k", "attention_cascade_prep_k",
                      "attention_cascade_combine_k"),
-    "attention_tc.cu": _TC_KERNELS,
+    "attention_tc.cu": (*_TC_KERNELS, *_SELF_MERGE_TC),
 }
-_LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS)
+_LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS, *_SELF_MERGE_SCALAR, *_SELF_MERGE_TC)
 _ATTN_SMEM_MAX = 200 * 1024
 _SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
 _LOG2E = 1.4426950408889634
@@ -63,6 +76,7 @@ def requested_prefill_tiling(name: str | None) -> str | None:
 
 class AttentionOps(CudaCore):
     kv8_qk8: bool = False
+    attn_self_combine: bool = False
 
     def _init_attention(self, requested_tiling: str | None) -> None:
         """Opt the kernels into their shared memory, pick the prompt tiling (the requested one,
@@ -74,6 +88,9 @@ class AttentionOps(CudaCore):
         # Prompts over an fp8 cache run Q K^T in e4m3 (attention_wgq) unless VT_KV8_QK8=0: the
         # prologue leaves q rounded to e4m3 x 2^n, so every kernel reads the same query
         self.kv8_qk8 = requested_switch("VT_KV8_QK8")
+        # A decode launch merges its own key splits in its last block, in place of the
+        # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off by default)
+        self.attn_self_combine = requested_count(None, "VT_ATTN_SELF_COMBINE", 0, 1) == 1
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
         self._occupancy: dict[tuple[str, int, int], int] = {}
@@ -197,8 +214,13 @@ class AttentionOps(CudaCore):
         plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
                                 kv8=kv8, qk8=self.kv8_qk8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
-        splits, part_o, part_ml = self._key_split_partials(kernel, smem, threads, row_tiles * hk * b,
-                                                           max_seq_len, t, hq, d)
+        groups = row_tiles * hk * b
+        splits, part_o, part_ml, counters = self._key_split_partials(kernel, smem, threads, groups,
+                                                                     max_seq_len, t, hq, d)
+        # a decode launch's merge reads only the splits that hold each row's keys
+        key_tile = combine_key_tile(plan, max_query_len)
+        # ... and with the switch on, its last blocks do it (same splits and bits, one launch)
+        self_merge = self.attn_self_combine and splits > 1 and key_tile > 0 and groups <= ATTN_COUNTERS
         # An fp8 cache reads code * scale: k_scale scales every score, v_scale the output.
         k_scale, v_scale = kv_scales if kv8 else (1.0, 1.0)
         scale_log2 = _f32(scale * _LOG2E * k_scale)
@@ -207,10 +229,12 @@ class AttentionOps(CudaCore):
         tail = (_i32(bs), scale_log2, _i32(splits), _f32(v_scale))
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
+        if self_merge:
+            launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,), args + (counters,),
+                   shared_mem=smem)
+            return out
         launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
         if splits > 1:
-            # a decode launch's combine reads only the splits that hold each row's keys
-            key_tile = combine_key_tile(plan, max_query_len)
             self._launch(
                 "attention_combine_k",
                 (t * hq,),
@@ -235,8 +259,9 @@ class AttentionOps(CudaCore):
             raise ValueError(f"attention: cascade_blocks {cascade_blocks} leaves no block of the "
                              f"{block_tables.shape[1]} in the table")
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
-        cap = (cascade_splits_within(part_buf.nbytes, b, hq, d) if part_buf is not None
-               else MAX_KEY_SPLITS)
+        # the scratch's last ATTN_COUNTER_BYTES are the self-merging kernels' counters: kept zero
+        cap = (cascade_splits_within(max(0, part_buf.nbytes - ATTN_COUNTER_BYTES), b, hq, d)
+               if part_buf is not None else MAX_KEY_SPLITS)
         if not cap:
             return False
         prefix_len = cascade_blocks * bs
@@ -282,18 +307,22 @@ class AttentionOps(CudaCore):
         return True
 
     def _key_split_partials(self, kernel: str, smem: int, threads: int, blocks: int, max_seq_len: int,
-                            t: int, hq: int, d: int) -> tuple[int, Any, Any]:
-        """Key splits of a launch of `blocks` blocks per split, and its partials (o, (m, l)) in
-        the slot's kernel scratch, or 0, 0 with one split."""
+                            t: int, hq: int, d: int) -> tuple[int, Any, Any, Any]:
+        """Key splits of a launch of `blocks` blocks per split, its partials (o, (m, l)) in the
+        slot's kernel scratch and the self-merging kernels' counters i32[ATTN_COUNTERS] (the
+        scratch's last bytes, zero between launches), or 0, 0, 0 with one split. The splits follow
+        `kernel`'s occupancy (not its _selfmerge twin's), so both paths split alike."""
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
         cap = max_splits_within(part_buf.nbytes, t, hq, d) if part_buf is not None else MAX_KEY_SPLITS
         resident = self._resident_blocks(kernel, smem, threads)
         splits = key_splits(blocks, resident, max_seq_len, cap)
         if splits <= 1:
-            return splits, 0, 0
-        if part_buf is None:  # outside a step (tests, setup): from the pool
-            part_buf = cupy.empty((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
+            return splits, 0, 0, 0
+        if part_buf is None:  # outside a step (tests, setup): from the pool, the counters zeroed
+            part_buf = cupy.zeros((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
         o_bytes = aligned(splits * t * hq * d * 4)
         part_o = cupy.ndarray((splits, t, hq, d), np.float32, memptr=part_buf.data)
         part_ml = cupy.ndarray((splits, t, hq, 2), np.float32, memptr=part_buf.data + o_bytes)
-        return splits, part_o, part_ml
+        counters = cupy.ndarray((ATTN_COUNTERS,), np.int32,
+                                memptr=part_buf.data + (part_buf.nbytes - ATTN_COUNTER_BYTES))
+        return splits, part_o, part_ml, counters

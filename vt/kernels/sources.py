@@ -11,8 +11,8 @@ from vt.kernels import attention_plan
 # Kernel files, each compiled as one module, and the files prepended to it after cuda_common.cu.
 KERNEL_FILES: dict[str, tuple[str, ...]] = {
     "elementwise.cu": (),
-    "attention.cu": (),
-    "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu"),
+    "attention.cu": ("attention_merge.cu",),
+    "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu", "attention_merge.cu"),
     "sampling.cu": (),
     "fp8.cu": (),
     "gemv.cu": ("tensor_core.cu",),

@@ -1,0 +1,86 @@
+// Merging a launch's split-key partials (prepended to attention.cu and attention_tc.cu): what
+// attention_combine_k does as a launch of its own, and what a decode launch's _selfmerge kernels
+// (VT_ATTN_SELF_COMBINE=1) do in the last block of each (row tile, kv head, sequence) to finish.
+
+// Merge the split partials of one output row into out_row: split s's partial is row where(s) of
+// part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
+// share the row's d / 2 pairs.
+template <typename Where>
+__device__ __forceinline__ void merge_split_partials(const float* part_o, const float* part_ml, int num_splits,
+                                                     Where where, bf16_t* out_row, int d) {
+    float mmax = -VT_INF;
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[where(s) * 2]);
+    float denom = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+        const size_t pr = where(s);
+        const float ms = part_ml[pr * 2];
+        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    const int half = d / 2;
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float a = 0.f, c = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const size_t pr = where(s);
+            const float ms = part_ml[pr * 2];
+            if (ms > -VT_INF) {
+                const float wgt = exp2f(ms - mmax);
+                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
+                a += wgt * v.x;
+                c += wgt * v.y;
+            }
+        }
+        reinterpret_cast<unsigned int*>(out_row)[p] = pack2(a * inv, c * inv);
+    }
+}
+
+
+// The splits of a decode row (one query row of its sequence, kv_end keys) that hold keys, in
+// tiles of kt keys: key_chunks' s with s * chunk < ntiles, the leading ones.
+__device__ __forceinline__ int splits_with_keys(int kv_end, int kt, int num_splits) {
+    const KeyChunks c = key_chunks(kv_end, kt, num_splits);
+    return c.chunk > 0 ? (c.ntiles + c.chunk - 1) / c.chunk : 0;
+}
+
+// The end of a _selfmerge decode kernel, after the body wrote its split partials: the split-K
+// "last block merges" pattern, so that no attention_combine_k launch follows. Each block of a
+// (row tile, kv head, sequence) group that the merge reads counts itself in counters[group]
+// after its stores (each thread fences its own); the one that brings the count to `arrivals` is
+// the last, and merges the group's rows exactly as attention_combine_k would (the same splits in
+// the same order through merge_split_partials: the same bits), then zeroes the counter for the
+// next launch (and graph replay): no other block of this launch touches it after its count.
+// Only the splits the merge reads count: those holding keys for a sequence of one query row (as
+// the combine picks them), every split otherwise; a group whose rows see no key at all still
+// has split 0 arrive, to write the zero rows the combine would. A group with no rows (a
+// sequence without a token) returned from the body in every block, and returns here too.
+// Anything downstream reads out only after the whole grid completes (a plain launch, or a
+// dependent's griddepcontrol.wait: these kernels never trigger their dependents early).
+// smem: the kernel's dynamic shared memory, free once the body is done (4 bytes are used).
+__device__ __forceinline__ void merge_own_splits(const int* query_start_loc, const int* seq_lens, int hq, int hk,
+                                                 int num_splits, int rows_per_block, int kt, const float* part_o,
+                                                 const float* part_ml, bf16_t* out, int total_tokens, int d,
+                                                 int* counters, int* smem) {
+    if (num_splits == 1) return;  // the body wrote out itself
+    const AttnBlock a = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, rows_per_block, kt);
+    if (a.row0 >= a.nrows) return;
+    const int n = a.qlen == 1 ? splits_with_keys(a.kv_end, kt, num_splits) : num_splits;
+    const int arrivals = max(n, 1);
+    if (a.split >= arrivals) return;  // its partials (m = -inf) are never read
+    __threadfence();  // this thread's partial stores are visible device-wide before the count
+    __syncthreads();  // ... for every thread of the block, and the body is done with smem
+    if (threadIdx.x == 0) {
+        int* count = counters + ((size_t)a.b * hk + a.kh) * gridDim.x + blockIdx.x;
+        const bool last = atomicAdd(count, 1) == arrivals - 1;
+        if (last) *count = 0;
+        smem[0] = last;
+    }
+    __syncthreads();
+    if (!smem[0]) return;
+    __threadfence();  // the other blocks' partials, counted before this block's, are seen
+    const int row_end = min(a.row0 + rows_per_block, a.nrows);
+    for (int r = a.row0; r < row_end; ++r) {
+        const int row = (a.q0 + r / a.group) * hq + a.kh * a.group + r % a.group;  // t * hq + h
+        merge_split_partials(part_o, part_ml, n, [&](int s) { return (size_t)s * total_tokens * hq + row; },
+                             out + (size_t)row * d, d);
+    }
+}
