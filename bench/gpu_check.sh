@@ -170,6 +170,19 @@ for s in $steps; do
         VT_GEMV_MAX_TOKENS=$g timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
           -k engine_tokens 2>&1 | tail -4 | tee -a "$OUT/gemv_engine.log"
       done ;;
+    selfmerge)  # decode attention merging its own key splits (VT_ATTN_SELF_COMBINE=1): its GPU tests, the
+                # engine tests with it on, then decode steps at max_model_len 16384 with it off and on, alternated
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
+        -k "merging_its_own_splits or long_context_over_short" 2>&1 | tail -5 | tee "$OUT/selfmerge_tests.log"
+      VT_ATTN_SELF_COMBINE=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_model_cuda.py \
+        tests/gpu/test_fp8_cuda.py tests/gpu/test_cascade_cuda.py 2>&1 | tail -5 | tee -a "$OUT/selfmerge_tests.log"
+      for q in ${SELFMERGE_QUANT:-fp8 bf16}; do
+        for on in 0 1 0 1; do
+          VT_ATTN_SELF_COMBINE=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
+            --modes graph --bandwidth 3.0 --batches "${SELFMERGE_BATCHES:-1,8,64}" --context 1024 $([ $q = fp8 ] && echo --quantization fp8) \
+            2>&1 | grep "depth 2 |" | sed "s/^/$q self_combine=$on /" | tee -a "$OUT/selfmerge.log"
+        done
+      done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B
