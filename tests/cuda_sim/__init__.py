@@ -76,11 +76,12 @@ def _launchers(src: str) -> str:
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
                    f'size_t smem, ATTN_TC_PARAMS) {{ return sim::launch(gx, gy, gz, threads, smem, '
                    f'[&] {{ {name}(ATTN_TC_ARGS); }}); }}')
-    # the decode kernels merging their own splits take the group counters last
+    # the decode kernels merging their own splits take the counters and the codes' outputs last
     for name in re.findall(r"^SELF_MERGE_TC_ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
-                   f'size_t smem, ATTN_TC_PARAMS, int* counters) {{ return sim::launch(gx, gy, gz, threads, '
-                   f'smem, [&] {{ {name}(ATTN_TC_ARGS, counters); }}); }}')
+                   f'size_t smem, ATTN_TC_PARAMS, int* counters, unsigned char* act_q, float* act_scale) '
+                   f'{{ return sim::launch(gx, gy, gz, threads, smem, '
+                   f'[&] {{ {name}(ATTN_TC_ARGS, counters, act_q, act_scale); }}); }}')
     return "\n".join(out)
 
 
@@ -98,11 +99,12 @@ _SCALAR = """
     extern "C" int sim_##NAME(SIM_SCALAR_PARAMS) {                                                   \\
         return sim::launch(gx, gy, gz, threads, smem, [&] { NAME(SIM_SCALAR_ARGS); });               \\
     }
-// the kernels merging their own splits take the group counters last
+// the kernels merging their own splits take the counters and the codes' outputs last
 #define SIM_SELF_MERGE_ATTENTION(NAME)                                                               \\
-    extern "C" int sim_##NAME##_selfmerge(SIM_SCALAR_PARAMS, int* counters) {                        \\
+    extern "C" int sim_##NAME##_selfmerge(SIM_SCALAR_PARAMS, int* counters, unsigned char* act_q,    \\
+                                          float* act_scale) {                                        \\
         return sim::launch(gx, gy, gz, threads, smem,                                                \\
-                           [&] { NAME##_selfmerge(SIM_SCALAR_ARGS, counters); });                    \\
+                           [&] { NAME##_selfmerge(SIM_SCALAR_ARGS, counters, act_q, act_scale); });  \\
     }
 SIM_SCALAR_ATTENTION(attention_r1)
 SIM_SCALAR_ATTENTION(attention_r2)
@@ -258,7 +260,8 @@ class SimAttention:
                  q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
                  seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
                  late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0),
-                 counters: np.ndarray | None = None, poison: bool = False
+                 counters: np.ndarray | None = None, poison: bool = False,
+                 codes: tuple[np.ndarray, np.ndarray] | None = None,
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """The attention kernel alone: (out, part_o, part_ml), out written with one split, the
         split partials (None with one) otherwise.
@@ -270,7 +273,9 @@ class SimAttention:
         (k_scale, v_scale), passed as cuda_ops passes them (k_scale in the score scale).
         counters (int32, one per (row tile, kv head, sequence), zero): launch the kernel's
         _selfmerge twin on them instead, which writes out itself. poison: the partials start as
-        NaN (a read of one no block wrote shows)."""
+        NaN (a read of one no block wrote shows). codes (with counters): the tokens' per-token fp8
+        codes uint8[T, Hq * D] and scales f32[T] the _selfmerge twin writes (counters then hold
+        one more int a sequence)."""
         t, hq, d = q.shape
         _, bs, hk, _ = k_cache.shape
         out = np.zeros((t, hq, d), np.uint16)
@@ -284,11 +289,15 @@ class SimAttention:
         fn = getattr(lib, f"sim_{kernel}" + ("_selfmerge" if counters is not None else ""))
         # the CUDA-core kernels take the head dim after hk (attention.cu)
         fn.argtypes = (_LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [ctypes.c_int] * scalar + _TC_ARGTYPES[14:]
-                       + [ctypes.c_void_p] * (counters is not None))
+                       + [ctypes.c_void_p] * (3 * (counters is not None)))
         head = (d,) if scalar else ()
         if counters is not None:
             assert counters.dtype == np.int32 and counters.flags.c_contiguous
-        tail = () if counters is None else (_ptr(counters),)
+        if codes is not None:
+            assert counters is not None and codes[0].dtype == np.uint8 and codes[1].dtype == np.float32
+            assert codes[0].shape == (t, hq * d) and codes[0].flags.c_contiguous
+        act_q, act_scale = (None, None) if codes is None else codes
+        tail = () if counters is None else (_ptr(counters), _ptr(act_q), _ptr(act_scale))
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
                 _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e) * kv_scales[0], splits,

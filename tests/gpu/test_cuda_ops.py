@@ -669,6 +669,90 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
             assert not counters().any()
 
 
+@pytest.mark.parametrize("hq,hk,d,kv8", [
+    (32, 8, 128, False), (32, 8, 128, True),  # decode8 (the 8B model's heads)
+    (16, 2, 256, True),                       # r2 (CUDA cores)
+])
+def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypatch, hq, hk, d, kv8):
+    """attention_fp8_out with VT_ATTN_SELF_COMBINE's path: one _selfmerge launch writes the tokens'
+    per-token codes and scales (each token's last block), no attention_combine_k or
+    quantize_rows_k; the bits of the switch off (attention, combine, quantize_rows_k), the
+    counters zero after; block-scaled codes still launch quantize_rows_k. Replayed twice from a
+    graph over other context lengths, still the eager switch-off bits."""
+    import cupy
+
+    from vt.kernels.attention_plan import ATTN_COUNTER_BYTES, SELF_MERGE_SUFFIX
+
+    ctx = [1, 64, 65, 384, 2600, 17, 5000]
+    t, scale = len(ctx), d**-0.5
+    if kv8:
+        q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, [1] * t, ctx, hq, hk, d)
+        caches, kv_scales = (_codes_on(cb, kc), _codes_on(cb, vc)), FP8_SCALES
+    else:
+        q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [1] * t, ctx, hq, hk, d, 16)
+        caches, kv_scales = (act(cb, kc), act(cb, vc)), (1.0, 1.0)
+    dev_q = act(cb, q)
+    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
+
+    def counters() -> np.ndarray:
+        cupy.cuda.Device().synchronize()
+        return cupy.asnumpy(cb._slots[0].partials[-ATTN_COUNTER_BYTES:].view(np.int32))
+
+    def set_lens(lens: np.ndarray) -> None:
+        dev[1].set(lens)
+        cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
+
+    result = {}
+
+    def step(group: int | None = None) -> None:
+        result["a"] = cb.attention_fp8_out(dev_q, *caches, *dev, scale, 1, 16384, group, kv_scales=kv_scales)
+
+    def codes() -> tuple[np.ndarray, np.ndarray]:
+        a = result["a"]
+        return cupy.asnumpy(a.q[:t]), cupy.asnumpy(a.scale[..., :t])
+
+    def eager(self_merge: bool, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        monkeypatch.setattr(cb, "attn_self_combine", self_merge)
+        with cb.slot(0):
+            step(group)
+            cupy.cuda.Device().synchronize()
+            return codes()
+
+    launched = record_launches(cb, monkeypatch)
+    lengths = [ctx, [max(1, c // 3) for c in ctx], [1] * t, ctx[::-1]]
+    want = []
+    for lens in lengths:
+        set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))  # within each sequence's blocks
+        launched.clear()
+        want.append(eager(False))
+        assert "attention_combine_k" in launched and "quantize_rows_k" in launched, launched
+        launched.clear()
+        got = eager(True)
+        assert len(launched) == 1 and launched[0].endswith(SELF_MERGE_SUFFIX), launched
+        for g, w in zip(got, want[-1], strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert not counters().any()
+        launched.clear()
+        block = eager(True, 128)  # block-scaled codes: the quantize launch stays
+        assert "quantize_rows_k" in launched, launched
+        monkeypatch.setattr(cb, "attn_self_combine", False)
+        for g, w in zip(block, eager(False, 128), strict=True):
+            np.testing.assert_array_equal(g, w)
+    monkeypatch.setattr(cb, "attn_self_combine", True)
+    set_lens(seq_lens)
+    graph = cb.capture(0, step)
+    for _ in range(2):
+        for lens, w in zip(lengths, want, strict=True):
+            set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))
+            with cb.slot(0):
+                graph.replay()
+                cupy.cuda.Device().synchronize()
+                got = codes()
+            for g, ww in zip(got, w, strict=True):
+                np.testing.assert_array_equal(g, ww)
+            assert not counters().any()
+
+
 def test_attention_on_a_strided_q_view(cb, nb, rng):
     hq, hk, d, bs = 4, 2, 64, 8
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [6, 1], [6, 30], hq, hk, d, bs)

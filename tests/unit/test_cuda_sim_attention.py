@@ -7,11 +7,13 @@ fragment layouts and waits without one."""
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimAttention, SimUnavailable
+from tests.cuda_sim import SimAttention, SimUnavailable, build_kernels
 from tests.cuda_sim import bf16_bits as _bits
 from tests.cuda_sim import bf16_float as _float
 from vt.kernels.attention_plan import (
@@ -21,7 +23,7 @@ from vt.kernels.attention_plan import (
     attention_kernel,
     combine_key_tile,
 )
-from vt.kernels.numpy_fp8 import to_e4m3
+from vt.kernels.numpy_fp8 import quantize, to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -333,6 +335,90 @@ def test_self_merge_after_a_sequence_without_a_token(sim, kernel_kv8):
     """A sequence of no token (its blocks return before writing, and never count) between
     decodes: the others' rows still merge once, as the combine merges them."""
     _self_merge_case(sim, [1, 0, 1, 1], [1, 700, 2600, 65], 8, 2, 128, kernel_kv8, 43, runs=3)
+
+
+# ---- ... and writing its tokens' fp8 codes (attention.py's attention_fp8_out, switch on) ----------
+@pytest.fixture(scope="module")
+def quantize_rows():
+    """fp8.cu's quantize_rows_k on the simulator: bf16 rows (bits) -> per-token codes and scales."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    try:
+        lib = build_kernels("fp8.cu", {"quantize_rows_k": (
+            "const bf16_t* x, long long ld, unsigned char* q, float* scale, int k, int group, int scale_ld",
+            "x, ld, q, scale, k, group, scale_ld", [p, ctypes.c_longlong, p, p, i, i, i])})
+    except SimUnavailable as e:
+        pytest.skip(str(e))
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x)
+        rows, k = x.shape
+        q, scale = np.zeros((rows, k), np.uint8), np.zeros(rows, np.float32)
+        rc = lib.sim_quantize_rows_k(rows, 1, 1, 256, 0, x.ctypes.data, k, q.ctypes.data, scale.ctypes.data,
+                                     k, 0, rows)
+        assert rc == 0
+        return q, scale
+    return run
+
+
+def _self_merge_codes_case(sim, quantize_rows, q_lens, ctx, hq, hk, d, kv8, seed, runs=2):
+    """The decode launch over COMBINE_SPLITS splits, attention_combine_k and quantize_rows_k after
+    it (the switch off), and the _selfmerge twin writing the codes itself, run `runs` times on the
+    same counters (a group's, then a sequence's) over NaN-poisoned partials and codes and scales
+    that start as garbage: each run the same out, codes and scales, bit for bit, the counters
+    zero after every one. Returns the codes and scales the kernels gave."""
+    rng = np.random.default_rng(seed)
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
+    scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
+    if kv8:
+        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    kt = combine_key_tile(plan, 1)
+    assert kt > 0
+    b, t = len(q_lens), int(qsl[-1])
+    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
+    launch = (plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale,
+              COMBINE_SPLITS)
+    out, part_o, part_ml = sim.partials(*launch, kv_scales=kv_scales)
+    want = sim.combine(part_o, part_ml, qsl, seq_lens, out, key_tile=kt)
+    want_q, want_s = quantize_rows(want.reshape(t, hq * d))
+    # quantize_rows_k is numpy_fp8.quantize's twin on the bf16 rows
+    twin_q, twin_s = quantize(_float(want).reshape(t, hq * d))
+    np.testing.assert_array_equal(want_q, twin_q.view(np.uint8))
+    np.testing.assert_array_equal(want_s, twin_s[:, 0])
+    counters = np.zeros(plan.row_tiles * hk * b + b, np.int32)
+    for run in range(runs):
+        codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
+        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True, codes=codes)
+        np.testing.assert_array_equal(got, want, err_msg=f"{plan.name}, run {run}")
+        np.testing.assert_array_equal(codes[0], want_q, err_msg=f"{plan.name} codes, run {run}")
+        np.testing.assert_array_equal(codes[1], want_s, err_msg=f"{plan.name} scales, run {run}")
+        assert not counters.any(), (plan.name, run, counters)
+    return codes
+
+
+@pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
+    (32, 8, 128, False, "attention_tc_d128_decode8"),  # the 8B model's heads
+    (32, 8, 128, True, "attention_tc_d128_decode8_kv8"),
+    (32, 2, 128, True, "attention_tc_d128_decode_kv8"),
+    (64, 2, 96, False, "attention_r4"),  # two row tiles a kv head: four groups a token
+    (8, 2, 96, True, "attention_r1_kv8"),
+])
+def test_a_decode_launch_writes_its_tokens_fp8_codes_bit_for_bit(sim, quantize_rows, hq, hk, d, kv8, kernel):
+    """Short, varied contexts split 40 ways (keys in one split only, a tile and a key, past one
+    tile a split): each token's last block writes the codes and scale quantize_rows_k writes on
+    the merged output, bit for bit, twice on the same counters. A token's last block picked
+    early reads rows no group has merged yet (zeros), one never picked leaves the garbage."""
+    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
+    assert plan.name == kernel
+    kt = combine_key_tile(plan, 1)
+    ctx = [1, kt + 1, 3 * kt + 17, 5, 2 * kt]
+    _self_merge_codes_case(sim, quantize_rows, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8)
+
+
+def test_fp8_codes_after_a_sequence_without_a_token(sim, quantize_rows):
+    """A sequence of no token between decodes counts nothing: the others' codes are still
+    written once, three launches in a row."""
+    _self_merge_codes_case(sim, quantize_rows, [1, 0, 1, 1], [1, 700, 90, 65], 32, 8, 128, True, 44, runs=3)
 
 
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):

@@ -191,3 +191,56 @@ def test_fp8_weights_on_a_gpu_without_fp8_tensor_cores_are_refused_before_loadin
     if quantization is None:
         ec = EngineConfig(model=str(ckpt), device="cpu", kv_cache_dtype="fp8", num_gpu_blocks=32)
         assert runner_mod.ModelRunner(cfg, ec, _NoFp8Backend(), 256).fp8 is None
+
+
+class _Fp8OutCounted(NumpyBackend):
+    """Counts the model's attention_fp8_out calls (attention and quantize_fp8 as one op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8_out_calls = 0
+
+    def attention_fp8_out(self, *args, **kwargs):
+        self.fp8_out_calls += 1
+        return super().attention_fp8_out(*args, **kwargs)
+
+
+class _NoFp8Out(NumpyBackend):
+    """A backend without attention_fp8_out: the model runs attention, then quantize_fp8."""
+
+    attention_fp8_out = None
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_attention_fp8_out_is_attention_then_quantize_fp8(group):
+    rng = np.random.default_rng(5)
+    ops = NumpyBackend()
+    hq, hk, d, bs = 8, 2, 64, 4
+    k_cache = rng.standard_normal((16, bs, hk, d)).astype(np.float32)
+    v_cache = rng.standard_normal((16, bs, hk, d)).astype(np.float32)
+    q = rng.standard_normal((3, hq, d)).astype(np.float32)
+    qsl, seq_lens = np.arange(4, dtype=np.int32), np.array([5, 1, 11], np.int32)
+    table = rng.permutation(16)[:12].reshape(3, 4).astype(np.int32)
+    args = (q, k_cache, v_cache, qsl, seq_lens, table, d**-0.5, 1, 11)
+    got = ops.attention_fp8_out(*args, group, decode_seqs=3, follows_kv_write=True)
+    want = ops.quantize_fp8(ops.attention(*args, decode_seqs=3).reshape(3, hq * d), group)
+    assert got.group == want.group and got.rows == want.rows == 3
+    np.testing.assert_array_equal(got.q.view(np.uint8), want.q.view(np.uint8))
+    np.testing.assert_array_equal(got.scale, want.scale)
+
+
+def test_the_fp8_model_feeds_o_proj_through_attention_fp8_out(tmp_path):
+    """Prompts then decode steps: the model takes attention_fp8_out once a layer and step, with the
+    logits of attention then quantize_fp8, bit for bit."""
+    ckpt = make_hf_checkpoint(tmp_path / "m", arch="qwen3", dtype="bfloat16", seed=7)
+    cfg = ModelConfig.from_dir(ckpt)
+    weights = load_weights(ckpt, cfg)
+    ps = prompts(cfg.vocab_size)
+    counted = _Fp8OutCounted()
+    runners = [PagedRunner(Transformer(cfg, weights, ops, fp8=ONLINE), num_blocks=64, block_size=4)
+               for ops in (counted, _NoFp8Out())]
+    steps = [dict(enumerate(ps)), {i: [7 + i] for i in range(len(ps))}, {i: [3] for i in range(len(ps))}]
+    for chunks in steps:
+        got, want = (np.concatenate(r.step(chunks, all_rows=True)) for r in runners)
+        np.testing.assert_array_equal(got, want)
+    assert counted.fp8_out_calls == len(steps) * cfg.num_layers

@@ -182,19 +182,22 @@ ATTENTION_ENTRY(attention_r4_kv8, 4, true)
 
 // The same kernels merging their own key splits (VT_ATTN_SELF_COMBINE=1; attention_merge.cu's
 // merge_own_splits, as attention_tc.cu's SELF_MERGE_TC_ENTRY): counters, one int per (row tile,
-// kv head, sequence), zero before the launch and after it.
+// kv head, sequence) then one per sequence, zero before the launch and after it; act_q and
+// act_scale (nullable): the tokens' per-token fp8 codes and scales, written by each token's last
+// block.
 #define SELF_MERGE_ENTRY(NAME, R, KV8)                                                                    \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
         const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
         const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
         bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int d,             \
-        int block_size, float scale_log2, int num_splits, float v_scale, int* counters) {                \
+        int block_size, float scale_log2, int num_splits, float v_scale, int* counters,                  \
+        unsigned char* act_q, float* act_scale) {                                                        \
         attention_body<R, KV8>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,   \
                                max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,    \
                                scale_log2, num_splits, v_scale);                                         \
         extern __shared__ __align__(16) unsigned char smem[];                                            \
         merge_own_splits(query_start_loc, seq_lens, hq, hk, num_splits, 4 * R, KT, part_o, part_ml, out, \
-                         total_tokens, d, counters, reinterpret_cast<int*>(smem));                       \
+                         total_tokens, d, counters, reinterpret_cast<int*>(smem), act_q, act_scale);     \
     }
 
 SELF_MERGE_ENTRY(attention_r1_selfmerge, 1, false)

@@ -37,6 +37,7 @@ from vt.kernels.cuda_core import (
     requested_switch,
     token_stride,
 )
+from vt.kernels.quantized import Fp8Activation
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
 # Each kernel and its twin reading an fp8 (e4m3) KV cache (KV8_SUFFIX).
@@ -178,6 +179,47 @@ class AttentionOps(CudaCore):
         first decode_seqs sequences, or all of a one-token-a-sequence launch) all begin with that
         many of the same blocks, each with keys past them (cascade_plan.py): the shared keys are
         read once for all of them."""
+        return self._attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                            max_query_len, max_seq_len, out, decode_seqs, follows_kv_write, kv_scales,
+                            cascade_blocks, False)[0]
+
+    def attention_fp8_out(
+        self,
+        q: cupy.ndarray,
+        k_cache: cupy.ndarray,
+        v_cache: cupy.ndarray,
+        query_start_loc: cupy.ndarray,
+        seq_lens: cupy.ndarray,
+        block_tables: cupy.ndarray,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+        group: int | None,
+        decode_seqs: int = 0,
+        follows_kv_write: bool = False,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
+        cascade_blocks: int = 0,
+    ) -> Fp8Activation:
+        """attention(...) as an fp8 projection's input: quantize_fp8(out as [T, Hq * D], group).
+        A decode launch that merges its own splits (VT_ATTN_SELF_COMBINE=1) with per-token scales
+        (group None) writes the codes in the same launch, each token's last block quantizing its
+        row as quantize_rows_k does (attention_merge.cu); otherwise quantize_fp8 launches after
+        it. Either way the codes come from Fp8Ops._activation, as quantize_fp8's do."""
+        t, hq, d = q.shape
+        out, codes = self._attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                  max_query_len, max_seq_len, None, decode_seqs, follows_kv_write, kv_scales,
+                                  cascade_blocks, group is None)
+        if codes is None:
+            codes = self.quantize_fp8(out.reshape(t, hq * d), group)  # Fp8Ops' (CudaBackend mixes both in)
+        return codes
+
+    def _attend(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
+                query_start_loc: cupy.ndarray, seq_lens: cupy.ndarray, block_tables: cupy.ndarray,
+                scale: float, max_query_len: int, max_seq_len: int, out: cupy.ndarray | None,
+                decode_seqs: int, follows_kv_write: bool, kv_scales: tuple[float, float],
+                cascade_blocks: int, codes: bool) -> tuple[cupy.ndarray, Fp8Activation | None]:
+        """attention's launches and out; codes: per-token fp8 codes of out are wanted, which a
+        self-merging decode launch writes itself (then returned; None where no launch did)."""
         qst = token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -194,7 +236,7 @@ class AttentionOps(CudaCore):
             raise ValueError(f"attention: out must be a contiguous act{[t, hq, d]}, got {out.shape}")
         b = seq_lens.shape[0]
         if t == 0 or b == 0 or max_query_len <= 0:
-            return out
+            return out, None
         if 0 < decode_seqs < b and max_query_len > 1:
             # One launch would put the decodes on prefill tiles too (4 live rows of 64 at GQA
             # group 4), so they get the decode tiles and the rest a launch of its own.
@@ -206,11 +248,11 @@ class AttentionOps(CudaCore):
                            follows_kv_write=follows_kv_write, kv_scales=kv_scales,
                            cascade_blocks=cascade_blocks)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
-                                  scale, max_query_len, max_seq_len, out, kv_scales=kv_scales)
+                                  scale, max_query_len, max_seq_len, out, kv_scales=kv_scales), None
         if cascade_blocks > 0 and max_query_len == 1 and self._cascade(
                 q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len, out,
                 kv_scales, cascade_blocks):
-            return out
+            return out, None
         plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
                                 kv8=kv8, qk8=self.kv8_qk8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
@@ -230,9 +272,15 @@ class AttentionOps(CudaCore):
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
         if self_merge:
-            launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,), args + (counters,),
-                   shared_mem=smem)
-            return out
+            # the tokens' codes too where each sequence's counter fits after the groups' (one query
+            # row a sequence: key_tile > 0); from Fp8Ops' allocator, as quantize_fp8 takes them
+            act = None
+            if codes and groups + b <= ATTN_COUNTERS:
+                act = self._activation(t, hq * d, None)
+            outputs = (0, 0) if act is None else (act.q, act.scale)
+            launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,),
+                   args + (counters, *outputs), shared_mem=smem)
+            return out, act
         launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
         if splits > 1:
             self._launch(
@@ -242,7 +290,7 @@ class AttentionOps(CudaCore):
                 (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
                  _i32(splits), _i32(key_tile)),
             )
-        return out
+        return out, None
 
     def _cascade(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                  query_start_loc: cupy.ndarray, seq_lens: cupy.ndarray, block_tables: cupy.ndarray,

@@ -35,6 +35,29 @@ __device__ __forceinline__ void merge_split_partials(const float* part_o, const 
 }
 
 
+// Per-token e4m3 codes of one bf16 row of k values (a multiple of 8) that other blocks wrote:
+// quantize_rows_k's group 0 bit for bit (the same amax floor, inv = FP8_MAX / amax and
+// store8_e4m3; a max is exact, so the threads' share of the row does not matter). The row is read
+// through L2 (__ldcg): other SMs wrote it during this launch, and no read-only or L1 copy of it
+// may be used.
+__device__ __forceinline__ void quantize_token_row(const bf16_t* x, unsigned char* q, float* scale, int row, int k,
+                                                   float* scratch) {
+    float amax = 0.f;
+    for (int c = threadIdx.x * 8; c < k; c += blockDim.x * 8) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + c));
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+        for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fmaxf(fabsf(lo_f(w[e])), fabsf(hi_f(w[e]))));
+    }
+    amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
+    const float inv = FP8_MAX / amax;
+    for (int c = threadIdx.x * 8; c < k; c += blockDim.x * 8) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + c));
+        const float f[8] = {lo_f(v.x), hi_f(v.x), lo_f(v.y), hi_f(v.y), lo_f(v.z), hi_f(v.z), lo_f(v.w), hi_f(v.w)};
+        store8_e4m3(q + c, f, inv);
+    }
+    if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+}
+
 // The splits of a decode row (one query row of its sequence, kv_end keys) that hold keys, in
 // tiles of kt keys: key_chunks' s with s * chunk < ntiles, the leading ones.
 __device__ __forceinline__ int splits_with_keys(int kv_end, int kt, int num_splits) {
@@ -55,11 +78,14 @@ __device__ __forceinline__ int splits_with_keys(int kv_end, int kt, int num_spli
 // sequence without a token) returned from the body in every block, and returns here too.
 // Anything downstream reads out only after the whole grid completes (a plain launch, or a
 // dependent's griddepcontrol.wait: these kernels never trigger their dependents early).
-// smem: the kernel's dynamic shared memory, free once the body is done (4 bytes are used).
+// act_q, act_scale (non-null: a decode launch feeding an fp8 projection with per-token scales):
+// the token's last group also writes the codes of its output row (quantize_token_row).
+// smem: the kernel's dynamic shared memory, free once the body is done (the first 64 ints are
+// used: two flags, then block_max's scratch).
 __device__ __forceinline__ void merge_own_splits(const int* query_start_loc, const int* seq_lens, int hq, int hk,
                                                  int num_splits, int rows_per_block, int kt, const float* part_o,
                                                  const float* part_ml, bf16_t* out, int total_tokens, int d,
-                                                 int* counters, int* smem) {
+                                                 int* counters, int* smem, unsigned char* act_q, float* act_scale) {
     if (num_splits == 1) return;  // the body wrote out itself
     const AttnBlock a = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, rows_per_block, kt);
     if (a.row0 >= a.nrows) return;
@@ -83,4 +109,26 @@ __device__ __forceinline__ void merge_own_splits(const int* query_start_loc, con
         merge_split_partials(part_o, part_ml, n, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                              out + (size_t)row * d, d);
     }
+    if (act_q == nullptr) return;
+    // The token's row spans every kv head (and row tile): its groups' last blocks count in the
+    // sequence's counter, after the group counters (attention_plan.ATTN_COUNTERS' layout). The
+    // block's place is read again rather than kept live through the merge (attention_r2 spilled).
+    const int b = blockIdx.z / num_splits, t = query_start_loc[b];
+    if (query_start_loc[b + 1] - t != 1) return;
+    __threadfence();  // this thread's out stores are visible device-wide before the count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* count = counters + (size_t)gridDim.x * hk * (gridDim.z / num_splits) + b;
+        // one query row: the group's hq / hk rows in this many row tiles, each a group per kv head
+        const int groups = hk * min((int)gridDim.x, (hq / hk + rows_per_block - 1) / rows_per_block);
+        const bool last = atomicAdd(count, 1) == groups - 1;
+        if (last) *count = 0;
+        smem[1] = last;
+    }
+    __syncthreads();
+    if (!smem[1]) return;
+    __threadfence();  // the other groups' rows, counted before this block's, are seen
+    const int k = hq * d;
+    quantize_token_row(out + (size_t)t * k, act_q + (size_t)t * k, act_scale, t, k,
+                       reinterpret_cast<float*>(smem + 32));
 }

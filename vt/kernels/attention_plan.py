@@ -23,7 +23,10 @@ KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
 # VT_ATTN_SELF_COMBINE=1), counting arrivals in one int32 per (row tile, kv head, sequence). The
 # counters sit at the end of the slot's partials scratch, a fixed ATTN_COUNTERS of them that no
 # launch's partials reach (attention_partial_bytes and max_splits_within leave them out); a launch
-# of more groups (past 2048 sequences at 32 kv heads) keeps the combine launch.
+# of more groups (past 2048 sequences at 32 kv heads) keeps the combine launch. A launch that also
+# writes its tokens' fp8 codes (attention.py's attention_fp8_out) counts each sequence's finished
+# groups in one more int32 a sequence, right after its groups' counters: [groups | sequences],
+# groups + sequences <= ATTN_COUNTERS (else attention, then quantize_fp8's launch).
 SELF_MERGE_SUFFIX = "_selfmerge"
 ATTN_COUNTERS = 1 << 16
 ATTN_COUNTER_BYTES = ATTN_COUNTERS * 4  # a multiple of ALIGN

@@ -694,13 +694,16 @@ ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8_kv8, 128, DEC8_KV8_STAGES, tru
 // The decode kernels that merge their own key splits (the launcher picks them with
 // VT_ATTN_SELF_COMBINE=1): the same bodies, then attention_merge.cu's merge_own_splits, whose
 // last block of each (row tile, kv head, sequence) merges the group's partials in place of an
-// attention_combine_k launch. counters: one int per group, zero before the launch and after it.
+// attention_combine_k launch. counters: one int per group then one per sequence, zero before the
+// launch and after it; act_q, act_scale (nullable): the tokens' per-token fp8 codes and scales,
+// written by each token's last block.
 #define SELF_MERGE_TC_ENTRY(NAME, BODY, D, ROWS)                                                   \
-    extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS, int* counters) {        \
+    extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS, int* counters,          \
+                                                           unsigned char* act_q, float* act_scale) { \
         BODY(ATTN_TC_ARGS);                                                                        \
         extern __shared__ __align__(16) unsigned char smem[];                                      \
         merge_own_splits(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, TC_KT, part_o, part_ml, \
-                         out, total_tokens, D, counters, reinterpret_cast<int*>(smem));              \
+                         out, total_tokens, D, counters, reinterpret_cast<int*>(smem), act_q, act_scale); \
     }
 
 SELF_MERGE_TC_ENTRY(attention_tc_d64_decode_selfmerge, (attention_tc_body<64, 1, 4, TC_STAGES, false>), 64, 16)
