@@ -2,19 +2,32 @@
 // attention_combine_k does as a launch of its own, and what a decode launch's _selfmerge kernels
 // (VT_ATTN_SELF_COMBINE=1) do in the last block of each (row tile, kv head, sequence) to finish.
 
+// One float of the partials: L2_ONLY (a _selfmerge kernel's last block) reads through L2 (__ldcg),
+// as other SMs wrote them during this launch and the (m, l) of neighbouring rows, other groups'
+// among them, share cache lines that an earlier merge on this SM may hold in its L1;
+// attention_combine_k, a launch of its own, reads plainly.
+template <bool L2_ONLY>
+__device__ __forceinline__ float partial_at(const float* p) {
+    if constexpr (L2_ONLY) {
+        return __ldcg(p);
+    } else {
+        return *p;
+    }
+}
+
 // Merge the split partials of one output row into out_row: split s's partial is row where(s) of
 // part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
 // share the row's d / 2 pairs.
-template <typename Where>
+template <bool L2_ONLY = false, typename Where>
 __device__ __forceinline__ void merge_split_partials(const float* part_o, const float* part_ml, int num_splits,
                                                      Where where, bf16_t* out_row, int d) {
     float mmax = -VT_INF;
-    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, part_ml[where(s) * 2]);
+    for (int s = 0; s < num_splits; ++s) mmax = fmaxf(mmax, partial_at<L2_ONLY>(part_ml + where(s) * 2));
     float denom = 0.f;
     for (int s = 0; s < num_splits; ++s) {
         const size_t pr = where(s);
-        const float ms = part_ml[pr * 2];
-        if (ms > -VT_INF) denom += exp2f(ms - mmax) * part_ml[pr * 2 + 1];
+        const float ms = partial_at<L2_ONLY>(part_ml + pr * 2);
+        if (ms > -VT_INF) denom += exp2f(ms - mmax) * partial_at<L2_ONLY>(part_ml + pr * 2 + 1);
     }
     const float inv = denom > 0.f ? 1.f / denom : 0.f;
     const int half = d / 2;
@@ -22,10 +35,11 @@ __device__ __forceinline__ void merge_split_partials(const float* part_o, const 
         float a = 0.f, c = 0.f;
         for (int s = 0; s < num_splits; ++s) {
             const size_t pr = where(s);
-            const float ms = part_ml[pr * 2];
+            const float ms = partial_at<L2_ONLY>(part_ml + pr * 2);
             if (ms > -VT_INF) {
                 const float wgt = exp2f(ms - mmax);
-                const float2 v = reinterpret_cast<const float2*>(part_o + pr * d)[p];
+                const float2* at = reinterpret_cast<const float2*>(part_o + pr * d) + p;
+                const float2 v = L2_ONLY ? __ldcg(at) : *at;
                 a += wgt * v.x;
                 c += wgt * v.y;
             }
@@ -82,10 +96,12 @@ __device__ __forceinline__ int splits_with_keys(int kv_end, int kt, int num_spli
 // the token's last group also writes the codes of its output row (quantize_token_row).
 // smem: the kernel's dynamic shared memory, free once the body is done (the first 64 ints are
 // used: two flags, then block_max's scratch).
-__device__ __forceinline__ void merge_own_splits(const int* query_start_loc, const int* seq_lens, int hq, int hk,
-                                                 int num_splits, int rows_per_block, int kt, const float* part_o,
-                                                 const float* part_ml, bf16_t* out, int total_tokens, int d,
-                                                 int* counters, int* smem, unsigned char* act_q, float* act_scale) {
+// Not inlined: a call once a block, after the body, whose registers are then free; inlined, the
+// L2 reads tipped attention_tc_d64_decode_selfmerge into spills.
+__device__ __noinline__ void merge_own_splits(const int* query_start_loc, const int* seq_lens, int hq, int hk,
+                                              int num_splits, int rows_per_block, int kt, const float* part_o,
+                                              const float* part_ml, bf16_t* out, int total_tokens, int d,
+                                              int* counters, int* smem, unsigned char* act_q, float* act_scale) {
     if (num_splits == 1) return;  // the body wrote out itself
     const AttnBlock a = attn_block(query_start_loc, seq_lens, hq, hk, num_splits, rows_per_block, kt);
     if (a.row0 >= a.nrows) return;
@@ -106,7 +122,7 @@ __device__ __forceinline__ void merge_own_splits(const int* query_start_loc, con
     const int row_end = min(a.row0 + rows_per_block, a.nrows);
     for (int r = a.row0; r < row_end; ++r) {
         const int row = (a.q0 + r / a.group) * hq + a.kh * a.group + r % a.group;  // t * hq + h
-        merge_split_partials(part_o, part_ml, n, [&](int s) { return (size_t)s * total_tokens * hq + row; },
+        merge_split_partials<true>(part_o, part_ml, n, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                              out + (size_t)row * d, d);
     }
     if (act_q == nullptr) return;
