@@ -2,12 +2,12 @@
 // attention_combine_k does as a launch of its own, and what a decode launch's _selfmerge kernels
 // (VT_ATTN_SELF_COMBINE=1) do in the last block of each (row tile, kv head, sequence) to finish.
 
-// One float of the partials: L2_ONLY (a _selfmerge kernel's last block) reads through L2 (__ldcg),
+// One value of the partials: L2_ONLY (a _selfmerge kernel's last block) reads through L2 (__ldcg),
 // as other SMs wrote them during this launch and the (m, l) of neighbouring rows, other groups'
 // among them, share cache lines that an earlier merge on this SM may hold in its L1;
 // attention_combine_k, a launch of its own, reads plainly.
-template <bool L2_ONLY>
-__device__ __forceinline__ float partial_at(const float* p) {
+template <bool L2_ONLY, typename T>
+__device__ __forceinline__ T partial_at(const T* p) {
     if constexpr (L2_ONLY) {
         return __ldcg(p);
     } else {
@@ -38,8 +38,7 @@ __device__ __forceinline__ void merge_split_partials(const float* part_o, const 
             const float ms = partial_at<L2_ONLY>(part_ml + pr * 2);
             if (ms > -VT_INF) {
                 const float wgt = exp2f(ms - mmax);
-                const float2* at = reinterpret_cast<const float2*>(part_o + pr * d) + p;
-                const float2 v = L2_ONLY ? __ldcg(at) : *at;
+                const float2 v = partial_at<L2_ONLY>(reinterpret_cast<const float2*>(part_o + pr * d) + p);
                 a += wgt * v.x;
                 c += wgt * v.y;
             }
@@ -79,6 +78,24 @@ __device__ __forceinline__ int splits_with_keys(int kv_end, int kt, int num_spli
     return c.chunk > 0 ? (c.ntiles + c.chunk - 1) / c.chunk : 0;
 }
 
+// The split-K arrival: every thread fences its own stores, then thread 0 counts the block in
+// *count; true in every thread of the block that brought the count to `arrivals` (it resets the
+// counter for the next launch, and fences so the others' stores, counted before, are seen).
+// flag: an int of shared memory.
+__device__ __forceinline__ bool last_to_arrive(int* count, int arrivals, int* flag) {
+    __threadfence();  // this thread's stores are visible device-wide before the count
+    __syncthreads();  // ... for every thread of the block
+    if (threadIdx.x == 0) {
+        const bool last = atomicAdd(count, 1) == arrivals - 1;
+        if (last) *count = 0;
+        *flag = last;
+    }
+    __syncthreads();
+    if (!*flag) return false;
+    __threadfence();  // the other blocks' stores, counted before this block's, are seen
+    return true;
+}
+
 // The end of a _selfmerge decode kernel, after the body wrote its split partials: the split-K
 // "last block merges" pattern, so that no attention_combine_k launch follows. Each block of a
 // (row tile, kv head, sequence) group that the merge reads counts itself in counters[group]
@@ -108,17 +125,8 @@ __device__ __noinline__ void merge_own_splits(const int* query_start_loc, const 
     const int n = a.qlen == 1 ? splits_with_keys(a.kv_end, kt, num_splits) : num_splits;
     const int arrivals = max(n, 1);
     if (a.split >= arrivals) return;  // its partials (m = -inf) are never read
-    __threadfence();  // this thread's partial stores are visible device-wide before the count
-    __syncthreads();  // ... for every thread of the block, and the body is done with smem
-    if (threadIdx.x == 0) {
-        int* count = counters + ((size_t)a.b * hk + a.kh) * gridDim.x + blockIdx.x;
-        const bool last = atomicAdd(count, 1) == arrivals - 1;
-        if (last) *count = 0;
-        smem[0] = last;
-    }
-    __syncthreads();
-    if (!smem[0]) return;
-    __threadfence();  // the other blocks' partials, counted before this block's, are seen
+    // (its first barrier also ends the body's use of smem)
+    if (!last_to_arrive(counters + ((size_t)a.b * hk + a.kh) * gridDim.x + blockIdx.x, arrivals, smem)) return;
     const int row_end = min(a.row0 + rows_per_block, a.nrows);
     for (int r = a.row0; r < row_end; ++r) {
         const int row = (a.q0 + r / a.group) * hq + a.kh * a.group + r % a.group;  // t * hq + h
@@ -131,19 +139,9 @@ __device__ __noinline__ void merge_own_splits(const int* query_start_loc, const 
     // block's place is read again rather than kept live through the merge (attention_r2 spilled).
     const int b = blockIdx.z / num_splits, t = query_start_loc[b];
     if (query_start_loc[b + 1] - t != 1) return;
-    __threadfence();  // this thread's out stores are visible device-wide before the count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* count = counters + (size_t)gridDim.x * hk * (gridDim.z / num_splits) + b;
-        // one query row: the group's hq / hk rows in this many row tiles, each a group per kv head
-        const int groups = hk * min((int)gridDim.x, (hq / hk + rows_per_block - 1) / rows_per_block);
-        const bool last = atomicAdd(count, 1) == groups - 1;
-        if (last) *count = 0;
-        smem[1] = last;
-    }
-    __syncthreads();
-    if (!smem[1]) return;
-    __threadfence();  // the other groups' rows, counted before this block's, are seen
+    // one query row: the group's hq / hk rows in this many row tiles, each a group per kv head
+    const int groups = hk * min((int)gridDim.x, (hq / hk + rows_per_block - 1) / rows_per_block);
+    if (!last_to_arrive(counters + (size_t)gridDim.x * hk * (gridDim.z / num_splits) + b, groups, smem + 1)) return;
     const int k = hq * d;
     quantize_token_row(out + (size_t)t * k, act_q + (size_t)t * k, act_scale, t, k,
                        reinterpret_cast<float*>(smem + 32));

@@ -240,4 +240,3 @@ def max_splits_within(budget: int, tokens: int, num_heads: int, head_dim: int) -
     if per_split <= 0:
         return MAX_KEY_SPLITS
     return max(1, min(MAX_KEY_SPLITS, (budget - 2 * ALIGN - ATTN_COUNTER_BYTES) // per_split))
-
