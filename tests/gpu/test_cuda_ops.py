@@ -592,6 +592,46 @@ def test_attention_started_during_the_prologue_reads_what_it_wrote(cb, nb, rng, 
         np.testing.assert_array_equal(got, outs[False])
 
 
+class _SelfMergeBatch:
+    """The self-merging decode tests' batch: one query row for each of CTX's sequences (a graph
+    sized for 16384 keys splits them many ways), on the device, with the slot's counters and the
+    sequences' lengths to read and set."""
+
+    CTX = [1, 64, 65, 384, 2600, 17, 5000]
+
+    def __init__(self, cb, rng, hq, hk, d, kv8):
+        self.cb, t = cb, len(self.CTX)
+        self.t, self.scale = t, d**-0.5
+        if kv8:
+            self.host = _fp8_batch(rng, [1] * t, self.CTX, hq, hk, d)
+            q, kc, vc = self.host[:3]
+            self.caches, self.kv_scales = (_codes_on(cb, kc), _codes_on(cb, vc)), FP8_SCALES
+        else:
+            self.host = _paged_batch(rng, [1] * t, self.CTX, hq, hk, d, 16)
+            q, kc, vc = self.host[:3]
+            self.caches, self.kv_scales = (act(cb, kc), act(cb, vc)), (1.0, 1.0)
+        self.seq_lens = self.host[4]
+        self.dev_q = act(cb, q)
+        self.dev = [cb.from_host(a, "i32") for a in self.host[3:]]
+        # the lengths each test runs over, within each sequence's blocks
+        self.lengths = [np.minimum(np.asarray(lens, np.int32), self.seq_lens)
+                        for lens in (self.CTX, [max(1, c // 3) for c in self.CTX], [1] * t, self.CTX[::-1])]
+
+    def counters(self) -> np.ndarray:
+        import cupy
+
+        from vt.kernels.attention_plan import ATTN_COUNTER_BYTES
+
+        cupy.cuda.Device().synchronize()
+        return cupy.asnumpy(self.cb._slots[0].partials[-ATTN_COUNTER_BYTES:].view(np.int32))
+
+    def set_lens(self, lens: np.ndarray) -> None:
+        import cupy
+
+        self.dev[1].set(lens)
+        cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
+
+
 @pytest.mark.parametrize("hq,hk,d,kv8", [
     (32, 8, 128, False), (32, 8, 128, True),  # decode8 (the 8B model's heads)
     (16, 1, 64, False), (16, 1, 64, True),    # decode (16-row tiles)
@@ -603,33 +643,14 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
     splits: no attention_combine_k launch, the bits of the kernel and the combine, and the slot's
     counters zero after. Replayed from a graph over other context lengths (each launch leaves the
     counters zero for the next), still the eager two-launch bits."""
-    import cupy
+    from vt.kernels.attention_plan import SELF_MERGE_SUFFIX
 
-    from vt.kernels.attention_plan import ATTN_COUNTER_BYTES, SELF_MERGE_SUFFIX
-
-    ctx = [1, 64, 65, 384, 2600, 17, 5000]
-    t, scale = len(ctx), d**-0.5
-    if kv8:
-        q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, [1] * t, ctx, hq, hk, d)
-        caches, kv_scales = (_codes_on(cb, kc), _codes_on(cb, vc)), FP8_SCALES
-    else:
-        q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [1] * t, ctx, hq, hk, d, 16)
-        caches, kv_scales = (act(cb, kc), act(cb, vc)), (1.0, 1.0)
-    dev_q = act(cb, q)
-    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
-
-    def counters() -> np.ndarray:
-        cupy.cuda.Device().synchronize()
-        return cupy.asnumpy(cb._slots[0].partials[-ATTN_COUNTER_BYTES:].view(np.int32))
-
-    def set_lens(lens: np.ndarray) -> None:
-        dev[1].set(lens)
-        cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
-
+    m = _SelfMergeBatch(cb, rng, hq, hk, d, kv8)
+    q, kc, vc, qsl, seq_lens, table = m.host
     result = {}
 
     def step() -> None:
-        result["out"] = cb.attention(dev_q, *caches, *dev, scale, 1, 16384, kv_scales=kv_scales)
+        result["out"] = cb.attention(m.dev_q, *m.caches, *m.dev, m.scale, 1, 16384, kv_scales=m.kv_scales)
 
     def eager(self_merge: bool) -> np.ndarray:
         monkeypatch.setattr(cb, "attn_self_combine", self_merge)
@@ -637,13 +658,11 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
             step()
             return cb.to_host(result["out"])
 
-    assert not counters().any()  # zeroed with the slot's scratch
+    assert not m.counters().any()  # zeroed with the slot's scratch
     launched = record_launches(cb, monkeypatch)
-    lengths = [ctx, [max(1, c // 3) for c in ctx], [1] * t, ctx[::-1]]
     want = []
-    for lens in lengths:
-        lens = np.minimum(np.asarray(lens, np.int32), seq_lens)  # within each sequence's blocks
-        set_lens(lens)
+    for lens in m.lengths:
+        m.set_lens(lens)
         launched.clear()
         want.append(eager(False))
         assert "attention_combine_k" in launched, launched
@@ -652,21 +671,21 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
         assert "attention_combine_k" not in launched, launched
         assert any(n.endswith(SELF_MERGE_SUFFIX) for n in launched), launched
         np.testing.assert_array_equal(got, want[-1])
-        assert not counters().any()
-        ref = nb.attention(q, kc, vc, qsl, lens, table, scale, 1, int(lens.max()),
+        assert not m.counters().any()
+        ref = nb.attention(q, kc, vc, qsl, lens, table, m.scale, 1, int(lens.max()),
                            **({"kv_scales": FP8_SCALES} if kv8 else {}))
         assert rel_err(want[-1], ref) < BF16_TOL
     monkeypatch.setattr(cb, "attn_self_combine", True)
-    set_lens(seq_lens)
+    m.set_lens(seq_lens)
     graph = cb.capture(0, step)
     for _ in range(2):
-        for lens, w in zip(lengths, want, strict=True):
-            set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))
+        for lens, w in zip(m.lengths, want, strict=True):
+            m.set_lens(lens)
             with cb.slot(0):
                 graph.replay()
                 got = cb.to_host(result["out"])
             np.testing.assert_array_equal(got, w)
-            assert not counters().any()
+            assert not m.counters().any()
 
 
 @pytest.mark.parametrize("hq,hk,d,kv8", [
@@ -681,31 +700,15 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
     graph over other context lengths, still the eager switch-off bits."""
     import cupy
 
-    from vt.kernels.attention_plan import ATTN_COUNTER_BYTES, SELF_MERGE_SUFFIX
+    from vt.kernels.attention_plan import SELF_MERGE_SUFFIX
 
-    ctx = [1, 64, 65, 384, 2600, 17, 5000]
-    t, scale = len(ctx), d**-0.5
-    if kv8:
-        q, kc, vc, qsl, seq_lens, table = _fp8_batch(rng, [1] * t, ctx, hq, hk, d)
-        caches, kv_scales = (_codes_on(cb, kc), _codes_on(cb, vc)), FP8_SCALES
-    else:
-        q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, [1] * t, ctx, hq, hk, d, 16)
-        caches, kv_scales = (act(cb, kc), act(cb, vc)), (1.0, 1.0)
-    dev_q = act(cb, q)
-    dev = [cb.from_host(a, "i32") for a in (qsl, seq_lens, table)]
-
-    def counters() -> np.ndarray:
-        cupy.cuda.Device().synchronize()
-        return cupy.asnumpy(cb._slots[0].partials[-ATTN_COUNTER_BYTES:].view(np.int32))
-
-    def set_lens(lens: np.ndarray) -> None:
-        dev[1].set(lens)
-        cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
-
+    m = _SelfMergeBatch(cb, rng, hq, hk, d, kv8)
+    t = m.t
     result = {}
 
     def step(group: int | None = None) -> None:
-        result["a"] = cb.attention_fp8_out(dev_q, *caches, *dev, scale, 1, 16384, group, kv_scales=kv_scales)
+        result["a"] = cb.attention_fp8_out(m.dev_q, *m.caches, *m.dev, m.scale, 1, 16384, group,
+                                           kv_scales=m.kv_scales)
 
     def codes() -> tuple[np.ndarray, np.ndarray]:
         a = result["a"]
@@ -719,10 +722,9 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
             return codes()
 
     launched = record_launches(cb, monkeypatch)
-    lengths = [ctx, [max(1, c // 3) for c in ctx], [1] * t, ctx[::-1]]
     want = []
-    for lens in lengths:
-        set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))  # within each sequence's blocks
+    for lens in m.lengths:
+        m.set_lens(lens)
         launched.clear()
         want.append(eager(False))
         assert "attention_combine_k" in launched and "quantize_rows_k" in launched, launched
@@ -731,7 +733,7 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
         assert len(launched) == 1 and launched[0].endswith(SELF_MERGE_SUFFIX), launched
         for g, w in zip(got, want[-1], strict=True):
             np.testing.assert_array_equal(g, w)
-        assert not counters().any()
+        assert not m.counters().any()
         launched.clear()
         block = eager(True, 128)  # block-scaled codes: the quantize launch stays
         assert "quantize_rows_k" in launched, launched
@@ -739,18 +741,18 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
         for g, w in zip(block, eager(False, 128), strict=True):
             np.testing.assert_array_equal(g, w)
     monkeypatch.setattr(cb, "attn_self_combine", True)
-    set_lens(seq_lens)
+    m.set_lens(m.seq_lens)
     graph = cb.capture(0, step)
     for _ in range(2):
-        for lens, w in zip(lengths, want, strict=True):
-            set_lens(np.minimum(np.asarray(lens, np.int32), seq_lens))
+        for lens, w in zip(m.lengths, want, strict=True):
+            m.set_lens(lens)
             with cb.slot(0):
                 graph.replay()
                 cupy.cuda.Device().synchronize()
                 got = codes()
             for g, ww in zip(got, w, strict=True):
                 np.testing.assert_array_equal(g, ww)
-            assert not counters().any()
+            assert not m.counters().any()
 
 
 def test_attention_on_a_strided_q_view(cb, nb, rng):

@@ -272,11 +272,14 @@ def test_decode_combine_after_a_sequence_without_a_token_reads_every_split(sim):
 
 
 # ---- a decode launch merging its own splits (the _selfmerge kernels, VT_ATTN_SELF_COMBINE=1) ----
-def _self_merge_case(sim, q_lens, ctx, hq, hk, d, kv8, seed, runs=2):
+def _self_merge_case(sim, q_lens, ctx, hq, hk, d, kv8, seed, runs=2, quantize_rows=None):
     """The decode launch over COMBINE_SPLITS splits with attention_combine_k after it (told the
     kernel's key tile, as attention.py launches it), and its _selfmerge twin run `runs` times on
     the same counters over NaN-poisoned partials: each run the same bits, the counters zero
-    after every one."""
+    after every one. quantize_rows (fp8.cu's quantize_rows_k on the simulator): the switch-off
+    path quantizes the merged rows after, and the twin writes the codes itself (a group's
+    counters, then a sequence's) over codes and scales that start as garbage: the same codes
+    and scales, bit for bit, too."""
     rng = np.random.default_rng(seed)
     q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
     scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
@@ -285,17 +288,30 @@ def _self_merge_case(sim, q_lens, ctx, hq, hk, d, kv8, seed, runs=2):
     plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
     kt = combine_key_tile(plan, 1)
     assert kt > 0
-    grid = (plan.row_tiles, hk, len(q_lens) * COMBINE_SPLITS)
+    b, t = len(q_lens), int(qsl[-1])
+    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
     launch = (plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale,
               COMBINE_SPLITS)
     out, part_o, part_ml = sim.partials(*launch, kv_scales=kv_scales)
     want = sim.combine(part_o, part_ml, qsl, seq_lens, out, key_tile=kt)
-    counters = np.zeros(plan.row_tiles * hk * len(q_lens), np.int32)
+    counters = np.zeros(plan.row_tiles * hk * b, np.int32)
+    if quantize_rows is not None:
+        want_q, want_s = quantize_rows(want.reshape(t, hq * d))
+        # quantize_rows_k is numpy_fp8.quantize's twin on the bf16 rows
+        twin_q, twin_s = quantize(_float(want).reshape(t, hq * d))
+        np.testing.assert_array_equal(want_q, twin_q.view(np.uint8))
+        np.testing.assert_array_equal(want_s, twin_s[:, 0])
+        counters = np.zeros(plan.row_tiles * hk * b + b, np.int32)
     for run in range(runs):
-        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True)
+        codes = None
+        if quantize_rows is not None:
+            codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
+        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True, codes=codes)
         np.testing.assert_array_equal(got, want, err_msg=f"{plan.name}, run {run}")
+        if codes is not None:
+            np.testing.assert_array_equal(codes[0], want_q, err_msg=f"{plan.name} codes, run {run}")
+            np.testing.assert_array_equal(codes[1], want_s, err_msg=f"{plan.name} scales, run {run}")
         assert not counters.any(), (plan.name, run, counters)
-    return plan
 
 
 @pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
@@ -360,42 +376,6 @@ def quantize_rows():
     return run
 
 
-def _self_merge_codes_case(sim, quantize_rows, q_lens, ctx, hq, hk, d, kv8, seed, runs=2):
-    """The decode launch over COMBINE_SPLITS splits, attention_combine_k and quantize_rows_k after
-    it (the switch off), and the _selfmerge twin writing the codes itself, run `runs` times on the
-    same counters (a group's, then a sequence's) over NaN-poisoned partials and codes and scales
-    that start as garbage: each run the same out, codes and scales, bit for bit, the counters
-    zero after every one. Returns the codes and scales the kernels gave."""
-    rng = np.random.default_rng(seed)
-    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
-    scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
-    if kv8:
-        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
-    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
-    kt = combine_key_tile(plan, 1)
-    assert kt > 0
-    b, t = len(q_lens), int(qsl[-1])
-    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
-    launch = (plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale,
-              COMBINE_SPLITS)
-    out, part_o, part_ml = sim.partials(*launch, kv_scales=kv_scales)
-    want = sim.combine(part_o, part_ml, qsl, seq_lens, out, key_tile=kt)
-    want_q, want_s = quantize_rows(want.reshape(t, hq * d))
-    # quantize_rows_k is numpy_fp8.quantize's twin on the bf16 rows
-    twin_q, twin_s = quantize(_float(want).reshape(t, hq * d))
-    np.testing.assert_array_equal(want_q, twin_q.view(np.uint8))
-    np.testing.assert_array_equal(want_s, twin_s[:, 0])
-    counters = np.zeros(plan.row_tiles * hk * b + b, np.int32)
-    for run in range(runs):
-        codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
-        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True, codes=codes)
-        np.testing.assert_array_equal(got, want, err_msg=f"{plan.name}, run {run}")
-        np.testing.assert_array_equal(codes[0], want_q, err_msg=f"{plan.name} codes, run {run}")
-        np.testing.assert_array_equal(codes[1], want_s, err_msg=f"{plan.name} scales, run {run}")
-        assert not counters.any(), (plan.name, run, counters)
-    return codes
-
-
 @pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
     (32, 8, 128, False, "attention_tc_d128_decode8"),  # the 8B model's heads
     (32, 8, 128, True, "attention_tc_d128_decode8_kv8"),
@@ -412,13 +392,14 @@ def test_a_decode_launch_writes_its_tokens_fp8_codes_bit_for_bit(sim, quantize_r
     assert plan.name == kernel
     kt = combine_key_tile(plan, 1)
     ctx = [1, kt + 1, 3 * kt + 17, 5, 2 * kt]
-    _self_merge_codes_case(sim, quantize_rows, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8)
+    _self_merge_case(sim, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8, quantize_rows=quantize_rows)
 
 
 def test_fp8_codes_after_a_sequence_without_a_token(sim, quantize_rows):
     """A sequence of no token between decodes counts nothing: the others' codes are still
     written once, three launches in a row."""
-    _self_merge_codes_case(sim, quantize_rows, [1, 0, 1, 1], [1, 700, 90, 65], 32, 8, 128, True, 44, runs=3)
+    _self_merge_case(sim, [1, 0, 1, 1], [1, 700, 90, 65], 32, 8, 128, True, 44, runs=3,
+                     quantize_rows=quantize_rows)
 
 
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):
