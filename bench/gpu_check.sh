@@ -177,10 +177,12 @@ for s in $steps; do
       VT_ATTN_SELF_COMBINE=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_model_cuda.py \
         tests/gpu/test_fp8_cuda.py tests/gpu/test_cascade_cuda.py 2>&1 | tail -5 | tee -a "$OUT/selfmerge_tests.log"
       for q in ${SELFMERGE_QUANT:-fp8 bf16}; do
-        for on in 0 1 0 1; do
-          VT_ATTN_SELF_COMBINE=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
-            --modes graph --bandwidth 3.0 --batches "${SELFMERGE_BATCHES:-1,8,64}" --context 1024 $([ $q = fp8 ] && echo --quantization fp8) \
-            2>&1 | grep "depth 2 |" | sed "s/^/$q self_combine=$on /" | tee -a "$OUT/selfmerge.log"
+        for ctx in ${SELFMERGE_CONTEXTS:-1024}; do
+          for on in 0 1 0 1; do
+            VT_ATTN_SELF_COMBINE=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
+              --modes graph --bandwidth 3.0 --batches "${SELFMERGE_BATCHES:-1,8,64}" --context $ctx $([ $q = fp8 ] && echo --quantization fp8) \
+              2>&1 | grep "depth 2 |" | sed "s/^/$q self_combine=$on /" | tee -a "$OUT/selfmerge.log"
+          done
         done
       done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
@@ -202,7 +204,7 @@ for s in $steps; do
         for t in ${TRACE_ROWS:-1024/128 8000/64}; do
           f="/tmp/trace_${b}_${t/\//x}.jsonl"
           timeout 300 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-b$b" --rows targets --targets "$t" \
-            --server-args="--max-num-seqs 256 --max-model-len 16384 --max-num-batched-tokens $b --step-trace $f" \
+            --server-args="--max-num-seqs 256 --max-model-len 16384 --max-num-batched-tokens $b --step-trace $f ${TRACE_ARGS:-}" \
             --out "/tmp/tr_$b" 2>&1 | grep "^| target" | sed "s/^/b=$b /" | tee -a "$OUT/trace8.log"
           python3 -m bench.serving.step_trace_summary "$f" --budget "$b" | tee -a "$OUT/trace8.log"
         done
