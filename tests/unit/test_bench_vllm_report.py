@@ -105,8 +105,9 @@ class FakeServer:
     """An OpenAI-style server on loopback with no /metrics (as a server without vt's counters):
     /v1/models, /tokenize, /detokenize and streamed /v1/completions and /v1/chat/completions."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: tuple[int, ...] = (5, 6, 7, 8, 9)) -> None:
         self.bodies: list[dict] = []
+        self.tokens = list(tokens)  # what /tokenize answers for any text
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -133,7 +134,7 @@ class FakeServer:
         if path == "/v1/models":
             self._json(writer, 200, {"data": [{"id": "fake", "max_model_len": 4096}]})
         elif path == "/tokenize":
-            self._json(writer, 200, {"tokens": [5, 6, 7, 8, 9]})
+            self._json(writer, 200, {"tokens": self.tokens})
         elif path == "/detokenize":
             self._json(writer, 200, {"prompt": " ".join(map(str, body["tokens"]))})
         elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
@@ -192,6 +193,21 @@ def test_a_server_without_metrics_gets_no_server_figures(fake_server: FakeServer
         assert len(message["content"][0]["text"].split()) == 4  # the random ids, written out by /detokenize
     else:
         assert sent["max_tokens"] == 3 and len(sent["prompt"]) == 4
+
+
+def test_a_server_reading_the_sample_text_as_one_id_is_refused(capsys) -> None:
+    """A word-level tokenizer reads English as its unknown token: prompts drawn from that one id
+    would all be equal and the server's prefix cache would serve them, so no run starts."""
+    server = FakeServer(tokens=(0, 0, 0))
+    try:
+        argv = ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(server.port), "--num-prompts", "3",
+                "--random-input-len", "4", "--random-output-len", "3", "--disable-tqdm"]
+        assert bench.main(argv) != 0
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    assert "1 distinct id(s)" in out + err and "--tokenizer" in out + err
+    assert "Traceback" not in out + err and not server.bodies
 
 
 # ---------------------------------------------------------------- progress

@@ -50,7 +50,14 @@ async def pool_from_server(ep: Endpoint, model: str) -> list[int]:
                                    {"model": model, "prompt": POOL_TEXT, "add_special_tokens": False})
     if status != 200 or not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
         raise BenchError(f"POST /tokenize failed: {error_text(status, body)}")
-    return sorted(set(body["tokens"]))
+    pool = sorted(set(body["tokens"]))
+    if len(pool) < 2:
+        # One id (a word-level vocabulary maps English to its unknown token) would make every random
+        # prompt the same run of it: the server's prefix cache would answer them all, not its model.
+        raise BenchError(f"the server's tokenizer reads vt bench's sample text as {len(pool)} distinct "
+                         "id(s), so every random prompt would be the same; pass --tokenizer with the "
+                         "checkpoint's folder to draw prompts from its whole vocabulary")
+    return pool
 
 
 class TextTokens(Protocol):
