@@ -74,6 +74,26 @@ def test_the_compiler_checks_first_and_caches_the_error(tokenizer_json: str, mon
         unchecked.shutdown()
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_one_warning_and_a_clear_error(caplog):
+    """A word-level vocabulary with a WordPiece decoder (as some random-weight checkpoints get):
+    the server logs one line saying why, no traceback, and a structured request gets the reason."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 64)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    compiler = GrammarCompiler(lambda: tok.to_str(), 64, [0], isolate=False)
+    try:
+        with caplog.at_level("WARNING", logger="vt.structured"):
+            with pytest.raises(GrammarError, match="not available for this model's tokenizer"):
+                compiler.compile_blocking(GOOD)
+    finally:
+        compiler.shutdown()
+    (record,) = [r for r in caplog.records if "llguidance cannot read" in r.getMessage()]
+    assert record.exc_info is None and "decoder" in record.getMessage()
+
+
 def test_close_ends_the_child(tokenizer_json: str):
     checker = GrammarChecker(grammar_tokenizer_json(tokenizer_json), 1024, [0])
     checker.check(GOOD)

@@ -141,9 +141,9 @@ class GrammarCompiler:
         try:
             text = grammar_tokenizer_json(self._tokenizer_json())
             tokenizer = build_tokenizer(text, self._vocab_size, self._eos)
-        except Exception as e:
-            log.warning("llguidance cannot read this tokenizer; structured outputs are unavailable",
-                        exc_info=True)
+        except Exception as e:  # the tokenizer's fault, said in one line (no traceback in the server's log)
+            log.warning("llguidance cannot read this tokenizer (%s: %s); structured outputs are unavailable",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             fut.set_exception(e)
             return
         self._checker = GrammarChecker(text, self._vocab_size, self._eos) if self._isolate else None
