@@ -170,12 +170,13 @@ for s in $steps; do
         VT_GEMV_MAX_TOKENS=$g timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
           -k engine_tokens 2>&1 | tail -4 | tee -a "$OUT/gemv_engine.log"
       done ;;
-    selfmerge)  # decode attention merging its own key splits (VT_ATTN_SELF_COMBINE=1): its GPU tests, the
-                # engine tests with it on, then decode steps at max_model_len 16384 with it off and on, alternated
+    selfmerge)  # decode attention merging its own key splits (VT_ATTN_SELF_COMBINE=1): its GPU tests, then the
+                # engine suites with it on (~5 min; selfmerge_ab times it)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
         -k "merging_its_own_splits or writing_its_fp8_codes or long_context_over_short" 2>&1 | tail -5 | tee "$OUT/selfmerge_tests.log"
       VT_ATTN_SELF_COMBINE=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_model_cuda.py \
-        tests/gpu/test_fp8_cuda.py tests/gpu/test_cascade_cuda.py 2>&1 | tail -5 | tee -a "$OUT/selfmerge_tests.log"
+        tests/gpu/test_fp8_cuda.py tests/gpu/test_cascade_cuda.py 2>&1 | tail -5 | tee -a "$OUT/selfmerge_tests.log" ;;
+    selfmerge_ab)  # 8B decode steps at max_model_len 16384 with it off and on, alternated (~1 min a run)
       for q in ${SELFMERGE_QUANT:-fp8 bf16}; do
         for ctx in ${SELFMERGE_CONTEXTS:-1024}; do
           for on in 0 1 0 1; do
