@@ -631,6 +631,23 @@ class _SelfMergeBatch:
         self.dev[1].set(lens)
         cupy.cuda.Device().synchronize()  # the copy ran on the default stream, the slots do not wait for it
 
+    def replays_match(self, graph, read, want: list) -> None:
+        """graph replayed twice over self.lengths: what read() gives after each replay (an array or
+        a tuple of them) equals that length's eager `want`, and the counters are zero again."""
+        for _ in range(2):
+            for lens, w in zip(self.lengths, want, strict=True):
+                self.set_lens(lens)
+                with self.cb.slot(0):
+                    graph.replay()
+                    got = read()
+                for g, ww in zip(_as_tuple(got), _as_tuple(w), strict=True):
+                    np.testing.assert_array_equal(g, ww)
+                assert not self.counters().any()
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
 
 @pytest.mark.parametrize("hq,hk,d,kv8", [
     (32, 8, 128, False), (32, 8, 128, True),  # decode8 (the 8B model's heads)
@@ -678,14 +695,7 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
     monkeypatch.setattr(cb, "attn_self_combine", True)
     m.set_lens(seq_lens)
     graph = cb.capture(0, step)
-    for _ in range(2):
-        for lens, w in zip(m.lengths, want, strict=True):
-            m.set_lens(lens)
-            with cb.slot(0):
-                graph.replay()
-                got = cb.to_host(result["out"])
-            np.testing.assert_array_equal(got, w)
-            assert not m.counters().any()
+    m.replays_match(graph, lambda: cb.to_host(result["out"]), want)
 
 
 @pytest.mark.parametrize("hq,hk,d,kv8", [
@@ -743,16 +753,12 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
     monkeypatch.setattr(cb, "attn_self_combine", True)
     m.set_lens(m.seq_lens)
     graph = cb.capture(0, step)
-    for _ in range(2):
-        for lens, w in zip(m.lengths, want, strict=True):
-            m.set_lens(lens)
-            with cb.slot(0):
-                graph.replay()
-                cupy.cuda.Device().synchronize()
-                got = codes()
-            for g, ww in zip(got, w, strict=True):
-                np.testing.assert_array_equal(g, ww)
-            assert not m.counters().any()
+
+    def replayed() -> tuple[np.ndarray, np.ndarray]:
+        cupy.cuda.Device().synchronize()
+        return codes()
+
+    m.replays_match(graph, replayed, want)
 
 
 def test_attention_on_a_strided_q_view(cb, nb, rng):
