@@ -75,6 +75,11 @@ inline void wgmma_wait() {
 inline void fence_proxy_async() {}
 inline void bar_sync(int id, int count) { sim::group_barrier(id, count, nullptr); }
 inline void bar_arrive(int id, int count) { sim::group_arrive(id, count); }
+// setmaxnreg: registers are the host's, nothing to move.
+template <int N>
+inline void warpgroup_regs_dec() {}
+template <int N>
+inline void warpgroup_regs_inc() {}
 inline void st_shared_u32(unsigned addr, unsigned v) { std::memcpy(sim_smem(addr), &v, 4); }
 
 inline void st_cg4(float* p, float a, float b, float c, float d) { p[0] = a; p[1] = b; p[2] = c; p[3] = d; }

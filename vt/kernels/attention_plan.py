@@ -139,6 +139,10 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     # An fp8 cache's prompts run on wgr's kernels.
     "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr"),
+    # wgw: wgs's two warpgroups fed by a third that makes every copy (a producer warpgroup, its
+    # registers given to the other two; attention_wg.cu's notes above attention_wgw_body).
+    "wgw": PrefillTiling("attention_wgw_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
+                         kv8_tiling="wgr"),
 }
 DEFAULT_PREFILL_TILING = "wgs"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)

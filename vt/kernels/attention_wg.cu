@@ -670,6 +670,178 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     }
 }
 
+// wgw: wgs's consumers with the copies taken off them. A third warpgroup (warpgroup 0, the
+// producer) fetches the cache rows of every key and issues every cp.async (Q, K and V); the two
+// consumer warpgroups (1 and 2, 64 rows each) only multiply and run the softmax, in wgs's
+// ping-pong. The producer gives registers back (setmaxnreg) so the consumers may hold more than
+// the 168 a thread that 384 threads leave. Its iteration t (tile0 <= t <= tile1):
+//   once both consumers have retired step t - 3 (EMPTY), K(t) into K stage t % 3 and V(t - 1)
+//   into V stage (t - 1) % 3, the stages K(t - 3) and V(t - 4) held, as one group; the offsets of
+//   tile t + 1; then the group of iteration t - 1 (K(t - 1), V(t - 2); Q with the first) waited
+//   for, fenced and announced to each consumer (FULL[w]): what its step t - 1 reads.
+// A consumer's step t syncs FULL[w][t % 3], issues S(t) and P(t - 1) V(t - 1) in its turn (SCHED),
+// runs the softmax and, once both products retired, arrives at EMPTY[t % 3] where the producer
+// will wait for it (t + 3 <= tile1). Each barrier id's phases are kept apart: an arrival for tile
+// t + 3 on FULL[w][s] follows the producer's EMPTY wait for step t + 1 (so w has synced tile t),
+// and a consumer's arrival for step t + 3 on EMPTY[s] follows FULL of tile t + 3, announced after
+// the producer's wait for step t.
+#define WGW_FULL(w, s) (1 + 3 * (w) + (s))
+#define WGW_EMPTY(s) (7 + (s))
+#define WGW_SCHED(w) (10 + (w))
+#define WGW_PRODUCER 12
+#define WGW_PRODUCER_REGS 56
+#define WGW_CONSUMER_REGS 224  // 128 x 56 + 256 x 224 = 64,512 of an SM's 65,536
+
+__device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
+    constexpr int ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
+    constexpr int PARTS = WG_D / 8;            // 16-byte pieces of a cached head row
+    constexpr int COPIES = KT * PARTS / 128;   // a producer thread's copies of one K (or V) tile: 16
+    constexpr int KSTEP = 128 / PARTS;         // keys between them: 8
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    ATTN_BLOCK_LOCALS(ROWS, KT);
+    const int tile0 = ab.tile0, tile1 = max(ab.tile1, ab.tile0);
+    const int tid = threadIdx.x, wg = tid / 128;
+
+    unsigned char* gbase;
+    const unsigned base = smem_base_1024(smem, gbase);
+    const unsigned q_s = base;                              // Q [2][128 rows][128 B]
+    const unsigned k_s = base + 2 * ROWS * 128;             // K stages
+    const unsigned v_s = k_s + STAGES * WGR_TILE;           // V stages
+    const unsigned off_at = v_s + STAGES * WGR_TILE;
+    unsigned int* off_s = reinterpret_cast<unsigned int*>(gbase + (off_at - base));
+    const unsigned sink = off_at + STAGES * KT * 4;
+
+    if (wg == 0) {  // the producer
+        warpgroup_regs_dec<WGW_PRODUCER_REGS>();
+        const int p = tid;
+        const int* table = block_tables + (size_t)b * max_blocks;
+        // The cache row (in 16-byte units) of key p of `tile` into its offset slot; 0 past kv_end.
+        auto fetch = [&](int tile) {
+            if (tile < tile1) {
+                const int kpos = tile * KT + p;
+                unsigned int off = 0u;
+                if (kpos < kv_end) {
+                    const size_t blk = (size_t)table[kpos / block_size];
+                    off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
+                }
+                off_s[(tile % STAGES) * KT + p] = off;
+            }
+        };
+        // Piece `part` of keys key0 + 8 i: keys 8 apart keep the swizzle's chunk, 1024 bytes apart.
+        const int key0 = p / PARTS, part = p % PARTS;
+        const unsigned dst0 = (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
+        auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
+            const unsigned dst = slots + (tile % STAGES) * WGR_TILE + dst0;
+            const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
+            const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;
+            const int valid = kv_end - tile * KT - key0;
+            unsigned int off[COPIES];
+#pragma unroll
+            for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
+#pragma unroll
+            for (int i = 0; i < COPIES; ++i)
+                cp_async16_u32(dst + i * KSTEP * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
+                               i * KSTEP < valid ? 16 : 0);
+        };
+        auto announce = [&](int step) {
+            fence_proxy_async();
+            bar_arrive(WGW_FULL(0, step % STAGES), 256);
+            bar_arrive(WGW_FULL(1, step % STAGES), 256);
+        };
+        fetch(tile0);
+        // The V stage step tile0's P V reads with a zero P: zeros, not stale NaNs.
+        {
+            const unsigned vz = v_s + ((tile0 + STAGES - 1) % STAGES) * WGR_TILE;
+            for (int e = p; e < WGR_TILE / 4; e += 128) st_shared_u32(vz + e * 4, 0u);
+        }
+        grid_dependency_wait();  // q and this step's K/V come from the kernel before
+        bar_sync(WGW_PRODUCER, 128);
+        copy_q_sw128<ROWS, 128>(q_s, q, q_stride, row0, nrows, group, q0, kh, p);
+        for (int t = tile0; t <= tile1; ++t) {
+            if (t >= tile0 + STAGES) bar_sync(WGW_EMPTY(t % STAGES), 384);
+            if (t < tile1) copy_tile(t, k_s, k_cache);
+            if (t > tile0) copy_tile(t - 1, v_s, v_cache);
+            cp_async_commit();
+            fetch(t + 1);  // its slot held tile t - 2's offsets, last read by V(t - 2) a step ago
+            if (t > tile0) {
+                cp_async_wait<1>();
+                announce(t - 1);
+            }
+            bar_sync(WGW_PRODUCER, 128);  // tile t + 1's offsets, for every producer thread
+        }
+        cp_async_wait<0>();
+        announce(tile1);  // the last V (and, with no tiles, Q and the zeroed stage)
+        return;
+    }
+
+    warpgroup_regs_inc<WGW_CONSUMER_REGS>();
+    const int w = wg - 1, other = 1 - w, warp = (tid % 128) / 32, lane = tid % 32;
+    const int g = lane >> 2, c = lane & 3;
+    const int ra = row0 + w * 64 + warp * 16 + g, rb = ra + 8;
+    const int pos_a = ra < nrows ? ctx - qlen + ra / group : -1;
+    const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
+
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
+    unsigned int pa[16][2];  // the P whose product is pending: the last tile's
+#pragma unroll
+    for (int n = 0; n < 16; ++n) { pa[n][0] = 0u; pa[n][1] = 0u; }
+
+    auto issue_s = [&](int tile, float (&s)[16][4]) {
+        const unsigned kt = k_s + (tile % STAGES) * WGR_TILE;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + w * 64 * 128 + (kk % 4) * 32;
+            Wgmma<128>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32), kk > 0);
+        }
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int vtile) {
+        const unsigned vt = v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+            WgmmaRATB<128>::mma(&o[0][0], &pa[2 * kk][0], sw128_mn_desc(vt + kk * 2048, WGR_HALF), 1);
+        wgmma_commit();
+    };
+
+    if (w == 1) bar_arrive(WGW_SCHED(0), 256);  // consumer 0 issues first
+    for (int tile = tile0; tile < tile1; ++tile) {
+        bar_sync(WGW_FULL(w, tile % STAGES), 256);  // K(t) and V(t - 1) (Q and the zeroed V first)
+        float s[16][4];
+        bar_sync(WGW_SCHED(w), 256);
+        issue_s(tile, s);
+        issue_pv(tile - 1);
+        bar_arrive(WGW_SCHED(other), 256);
+        wgmma_wait<1>();
+        Wgmma<128>::pin(&s[0][0]);
+        const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+        // ptxas keeps a wait after an earlier shared store: the softmax stays before the wait
+        st_shared_u32(sink, __float_as_uint(l_a + l_b));
+        wgmma_wait<0>();
+        Wgmma<128>::pin(&o[0][0]);
+        if (tile + STAGES <= tile1) bar_arrive(WGW_EMPTY(tile % STAGES), 384);  // K(t), V(t - 1) free
+        rescale_m_tile<16>(o, corr);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
+    }
+    bar_sync(WGW_FULL(w, tile1 % STAGES), 256);  // the last V
+    bar_sync(WGW_SCHED(w), 256);
+    wgmma_fence();
+    issue_pv(tile1 - 1);
+    bar_arrive(WGW_SCHED(other), 256);
+    wgmma_wait<0>();
+    Wgmma<128>::pin(&o[0][0]);
+    grid_dependency_wait();  // the kernel before is done with what this writes
+    store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
+                       total_tokens, num_splits, out, part_o, part_ml, v_scale);
+}
+
 #define ATTENTION_WGR_ENTRY(NAME, KV8, PP)                                                        \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(ATTN_TC_PARAMS) {                   \
         attention_wgr_body<KV8, PP>(ATTN_TC_ARGS);                                                \
@@ -682,6 +854,10 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
 // wgs: wgr's products and data flow, its warpgroups in ping-pong (the PP notes above).
 ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
+// wgw: wgs's consumers fed by a producer warpgroup (the notes above attention_wgw_body).
+#define ATTENTION_WGW_ENTRY(NAME)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(ATTN_TC_PARAMS) { attention_wgw_body(ATTN_TC_ARGS); }
+ATTENTION_WGW_ENTRY(attention_wgw_d128_prefill)
 // fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true, false)
 // fp8 KV cache with Q K^T in e4m3 (q quantized per row to e4m3 x 2^n as it loads).

@@ -63,6 +63,18 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// A warpgroup's registers a thread set to N (a multiple of 8, 24..256), all its threads together:
+// a producer warpgroup gives registers back (dec) for the consumers to take (inc, which waits
+// until the block's pool has them).
+template <int N>
+__device__ __forceinline__ void warpgroup_regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void warpgroup_regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // A 32-bit word at a shared-window address.
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
