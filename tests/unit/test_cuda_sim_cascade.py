@@ -110,6 +110,7 @@ def _case(rng, b: int, hq: int, hk: int, d: int, bs: int, shared: int, max_own: 
 @pytest.mark.parametrize("b,hq,hk,d,shared,sp,ss,tiling", [
     (36, 8, 2, 128, 20, 2, 2, "wgr"),   # 144 prefix rows a kv head: two 128-row tiles, three key tiles
     (36, 8, 2, 128, 20, 3, 2, "wgs"),   # the same on the ping-pong tiling
+    (36, 8, 2, 128, 20, 3, 2, "wgw"),   # and with its producer warpgroup
     (9, 32, 8, 128, 9, 3, 2, "wgr"),    # Qwen3-8B's heads, a split past the suffix keys
     (12, 8, 4, 64, 6, 2, 3, "r64"),     # head dim 64 on the fallback tiling
     (5, 4, 4, 128, 3, 2, 2, "wgr"),     # no GQA: 20 prefix rows
