@@ -25,6 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from vt.kernels.attention_plan import launch_shape
 from vt.kernels.sources import read_source, translation_unit
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +36,8 @@ _TC_ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                 ctypes.c_int, ctypes.c_float]
 _LAUNCH_ARGTYPES = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t]
+# The blocks a persistent grid has on the simulator: few, so that each runs several items.
+SIM_RESIDENT = 3
 
 
 class SimUnavailable(RuntimeError):
@@ -72,10 +75,15 @@ def host_source(tu: str) -> str:
 
 def _launchers(src: str) -> str:
     out = []
-    for name in re.findall(r"^ATTENTION_\w*ENTRY\((\w+)[,)]", src, flags=re.M):
+    for name in re.findall(r"^ATTENTION_(?!ITEMS_)\w*ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
                    f'size_t smem, ATTN_TC_PARAMS) {{ return sim::launch(gx, gy, gz, threads, smem, '
                    f'[&] {{ {name}(ATTN_TC_ARGS); }}); }}')
+    # the kernels over items take the launch's item space last (attention_plan.launch_shape)
+    for name in re.findall(r"^ATTENTION_ITEMS_ENTRY\((\w+)[,)]", src, flags=re.M):
+        out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
+                   f'size_t smem, ATTN_TC_PARAMS, int row_tiles, int zcount) {{ return sim::launch(gx, gy, gz, '
+                   f'threads, smem, [&] {{ {name}(ATTN_TC_ARGS, row_tiles, zcount); }}); }}')
     # the decode kernels merging their own splits take the counters and the codes' outputs last
     for name in re.findall(r"^SELF_MERGE_TC_ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
@@ -287,9 +295,11 @@ class SimAttention:
         lib = self.scalar if scalar else self.wg if kernel.startswith("attention_wg") else self.tc
         lib.sim_set_timing(int(late), int(late), ctypes.c_uint(order))
         fn = getattr(lib, f"sim_{kernel}" + ("_selfmerge" if counters is not None else ""))
+        # a kernel over items: its 1-D grid (a persistent one of SIM_RESIDENT blocks) and item space
+        grid, items = launch_shape(kernel, grid[0], grid[1], grid[2], SIM_RESIDENT)
         # the CUDA-core kernels take the head dim after hk (attention.cu)
         fn.argtypes = (_LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [ctypes.c_int] * scalar + _TC_ARGTYPES[14:]
-                       + [ctypes.c_void_p] * (3 * (counters is not None)))
+                       + [ctypes.c_void_p] * (3 * (counters is not None)) + [ctypes.c_int] * len(items))
         head = (d,) if scalar else ()
         if counters is not None:
             assert counters.dtype == np.int32 and counters.flags.c_contiguous
@@ -301,7 +311,7 @@ class SimAttention:
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
                 _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e) * kv_scales[0], splits,
-                kv_scales[1], *tail)
+                kv_scales[1], *tail, *items)
         if rc == 2:
             raise ValueError(f"{kernel}: a block wrote past the {smem} bytes of shared memory it was "
                              "launched with")

@@ -126,7 +126,7 @@ def test_every_prefill_tiling_matches_numpy(sim, tiling, q_lens, ctx_lens, hq, h
     ([64, 200], [600, 200], 8, 2),  # a chunk deep in its context beside a whole prompt
     ([33, 1, 90], [97, 5, 90], 16, 2),  # group 8, a decode row among prompts, partial tiles
 ])
-@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr", "wgs", "wgw"])
+@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr", "wgs", "wgw", "wgwp"])
 @pytest.mark.parametrize("order", [0, 1, 2, 3], ids=["round-robin", "low-first", "high-first", "random"])
 def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk, order):
     """attention_wg.cu (wgmma, warpgroups of 64 rows) on more shapes than the shared cases, with
@@ -136,7 +136,7 @@ def test_wgmma_prefill_on_qwen3_shapes(sim, tiling, q_lens, ctx_lens, hq, hk, or
     assert name == PREFILL_TILINGS[tiling].kernel.format(d=128)
 
 
-@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr", "wgs", "wgw"])
+@pytest.mark.parametrize("tiling", ["wg", "wg3", "wgp", "wgv", "wgr", "wgs", "wgw", "wgwp"])
 @pytest.mark.parametrize("late,order", [(True, 0), (False, 0), (False, 1), (False, 2)],
                          ids=["late", "early", "early-low-first", "early-high-first"])
 def test_wgmma_prefill_over_many_key_tiles(sim, tiling, late, order):

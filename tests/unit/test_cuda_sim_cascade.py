@@ -12,11 +12,11 @@ import ctypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import _LAUNCH_ARGTYPES, _TC_ARGTYPES, SimAttention, SimUnavailable, build_kernels
+from tests.cuda_sim import _LAUNCH_ARGTYPES, _TC_ARGTYPES, SIM_RESIDENT, SimAttention, SimUnavailable, build_kernels
 from tests.cuda_sim import bf16_bits as _bits
 from tests.cuda_sim import bf16_float as _float
 from tests.unit.cascade_batches import shared_prefix_batch
-from vt.kernels.attention_plan import attention_kernel
+from vt.kernels.attention_plan import attention_kernel, launch_shape
 from vt.kernels.cascade_plan import cascade_scratch
 from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
@@ -57,10 +57,11 @@ def _attn(att: SimAttention, kernel: str, grid, threads: int, smem: int, q, q_st
     lib = att.scalar if scalar else att.wg if kernel.startswith("attention_wg") else att.tc
     lib.sim_set_timing(1, 1, ctypes.c_uint(0))
     fn = getattr(lib, f"sim_{kernel}")
-    fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [_I] * scalar + _TC_ARGTYPES[14:]
+    grid, items = launch_shape(kernel, *grid, SIM_RESIDENT)  # a kernel over items: as cuda_ops launches it
+    fn.argtypes = _LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [_I] * scalar + _TC_ARGTYPES[14:] + [_I] * len(items)
     head = (d,) if scalar else ()
     rc = fn(*grid, threads, smem, q, q_stride, _ptr(kc), _ptr(vc), qsl, lens, table, max_blocks, _ptr(out),
-            part_o, part_ml, tokens, hq, hk, *head, bs, scale_log2, splits, v_scale)
+            part_o, part_ml, tokens, hq, hk, *head, bs, scale_log2, splits, v_scale, *items)
     assert rc == 0, f"{kernel}: launch failed ({rc})"
 
 
@@ -111,6 +112,7 @@ def _case(rng, b: int, hq: int, hk: int, d: int, bs: int, shared: int, max_own: 
     (36, 8, 2, 128, 20, 2, 2, "wgr"),   # 144 prefix rows a kv head: two 128-row tiles, three key tiles
     (36, 8, 2, 128, 20, 3, 2, "wgs"),   # the same on the ping-pong tiling
     (36, 8, 2, 128, 20, 3, 2, "wgw"),   # and with its producer warpgroup
+    (36, 8, 2, 128, 20, 3, 2, "wgwp"),  # and on a persistent grid
     (9, 32, 8, 128, 9, 3, 2, "wgr"),    # Qwen3-8B's heads, a split past the suffix keys
     (12, 8, 4, 64, 6, 2, 3, "r64"),     # head dim 64 on the fallback tiling
     (5, 4, 4, 128, 3, 2, 2, "wgr"),     # no GQA: 20 prefix rows

@@ -25,6 +25,7 @@ from vt.kernels.attention_plan import (
     attention_kernel,
     attention_partial_bytes,
     combine_key_tile,
+    launch_shape,
     key_splits,
     max_splits_within,
 )
@@ -281,7 +282,8 @@ class AttentionOps(CudaCore):
             launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,),
                    args + (counters, *outputs), shared_mem=smem)
             return out, act
-        launch(kernel, (row_tiles, hk, b * splits), (threads,), args, shared_mem=smem)
+        grid, items = launch_shape(kernel, row_tiles, hk, b * splits, self._resident_blocks(kernel, smem, threads))
+        launch(kernel, grid, (threads,), args + tuple(_i32(x) for x in items), shared_mem=smem)
         if splits > 1:
             self._launch(
                 "attention_combine_k",
@@ -348,7 +350,9 @@ class AttentionOps(CudaCore):
         ):
             full = args + tail + (_i32(splits), _f32(v_scale)) if plan.tensor_cores else \
                 args + (_i32(d),) + tail + (_i32(splits), _f32(v_scale))
-            self._launch(plan.name, (plan.row_tiles, hk, seqs * splits), (plan.threads,), full,
+            grid, items = launch_shape(plan.name, plan.row_tiles, hk, seqs * splits,
+                                       self._resident_blocks(plan.name, plan.smem, plan.threads))
+            self._launch(plan.name, grid, (plan.threads,), full + tuple(_i32(x) for x in items),
                          shared_mem=plan.smem)
         self._launch("attention_cascade_combine_k", (rows,), (64,),
                      (part_o, part_ml, _i32(sp), _i32(ss), _i32(b), _i32(hq), _i32(hk), _i32(d), out))

@@ -98,6 +98,10 @@ class PrefillTiling(NamedTuple):
     # where it has none: the tiling whose fp8-KV-cache kernels its fp8 cache's prompts run on
     # (None: the fallback tiling's)
     kv8_tiling: str | None = None
+    # its kernel loops over the launch's blocks as items (attention_wg.cu's ATTENTION_ITEMS_ENTRY):
+    # a 1-D grid, the item space as two more arguments (launch_shape); persistent: one block an SM
+    items: bool = False
+    persistent: bool = False
 
     def kernels(self, kv8: bool = False) -> list[str]:
         """Its kernels' names, one per head dim (kv8: its fp8-KV-cache kernels', if any)."""
@@ -140,9 +144,16 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     "wgs": PrefillTiling("attention_wgs_d{d}_prefill", (128,), 128, 256, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr"),
     # wgw: wgs's two warpgroups fed by a third that makes every copy (a producer warpgroup, its
-    # registers given to the other two; attention_wg.cu's notes above attention_wgw_body).
+    # registers given to the other two; attention_wg.cu's notes above attention_wgw_body), a block
+    # an item; wgwp: the same kernel on a persistent grid, a block an SM streaming its items.
     "wgw": PrefillTiling("attention_wgw_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
-                         kv8_tiling="wgr"),
+                         kv8_tiling="wgr", items=True),
+    "wgwp": PrefillTiling("attention_wgwp_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
+                          kv8_tiling="wgr", items=True, persistent=True),
+}
+# The kernels that loop over items (their grid is 1-D): name -> whether on a persistent grid.
+ITEM_KERNELS: dict[str, bool] = {
+    t.kernel.format(d=d): t.persistent for t in PREFILL_TILINGS.values() if t.items for d in t.head_dims
 }
 DEFAULT_PREFILL_TILING = "wgs"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
@@ -197,6 +208,19 @@ def attention_kernel(group: int, max_query_len: int, d: int, cache_elems: int = 
     half = d // 2
     smem = 32 * half * 4 + 4 * r * half * 8 + 32 * (half + 1) * 4
     return AttnKernel(f"attention_r{r}{suffix}", False, -(-rows // (4 * r)), smem, 128)
+
+
+def launch_shape(kernel: str, row_tiles: int, hk: int, zcount: int,
+                 resident: int) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """The grid of a launch of `kernel` over (row tiles, kv heads, sequences x splits) and the int
+    arguments after ATTN_TC_PARAMS: that grid and none, or for an item kernel (ITEM_KERNELS) a 1-D
+    grid of a block an item, or of at most `resident` blocks (the chip's) on a persistent grid,
+    and the item space (row_tiles, zcount)."""
+    persistent = ITEM_KERNELS.get(kernel)
+    if persistent is None:
+        return (row_tiles, hk, zcount), ()
+    items = row_tiles * hk * zcount
+    return (min(items, resident) if persistent else items, 1, 1), (row_tiles, zcount)
 
 
 def combine_key_tile(kernel: AttnKernel, max_query_len: int) -> int:

@@ -670,37 +670,55 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     }
 }
 
-// wgw: wgs's consumers with the copies taken off them. A third warpgroup (warpgroup 0, the
-// producer) fetches the cache rows of every key and issues every cp.async (Q, K and V); the two
-// consumer warpgroups (1 and 2, 64 rows each) only multiply and run the softmax, in wgs's
-// ping-pong. The producer gives registers back (setmaxnreg) so the consumers may hold more than
-// the 168 a thread that 384 threads leave. Its iteration t (tile0 <= t <= tile1):
-//   once both consumers have retired step t - 3 (EMPTY), K(t) into K stage t % 3 and V(t - 1)
-//   into V stage (t - 1) % 3, the stages K(t - 3) and V(t - 4) held, as one group; the offsets of
-//   tile t + 1; then the group of iteration t - 1 (K(t - 1), V(t - 2); Q with the first) waited
-//   for, fenced and announced to each consumer (FULL[w]): what its step t - 1 reads.
-// A consumer's step t syncs FULL[w][t % 3], issues S(t) and P(t - 1) V(t - 1) in its turn (SCHED),
-// runs the softmax and, once both products retired, arrives at EMPTY[t % 3] where the producer
-// will wait for it (t + 3 <= tile1). Each barrier id's phases are kept apart: an arrival for tile
-// t + 3 on FULL[w][s] follows the producer's EMPTY wait for step t + 1 (so w has synced tile t),
-// and a consumer's arrival for step t + 3 on EMPTY[s] follows FULL of tile t + 3, announced after
-// the producer's wait for step t.
+// wgw: wgs's consumers with the copies taken off them, over a list of blocks. A third warpgroup
+// (warpgroup 0, the producer) fetches the cache rows of every key and issues every cp.async (Q, K
+// and V); the two consumer warpgroups (1 and 2, 64 rows each) only multiply and run the softmax, in
+// wgs's ping-pong. The producer gives registers back (setmaxnreg) for the consumers.
+//
+// A launch covers items (attn_item: row tile, kv head, sequence x split; longest first) and block
+// k runs items k, k + gridDim.x, ...: one each on a full grid, or a persistent grid of one block an
+// SM, where the producer streams the next item's Q and first keys while the consumers finish the
+// last one. The block's work is one sequence of steps g = 0, 1, ...: an item of n key tiles is n
+// steps (S of its tile j, P V of tile j - 1; at j = 0 a zero P over the V stage the step before
+// filled, or the zeroed one) and a final step (P V of its last tile, then its output). Step g reads
+// K stage g % 3 and V stage (g - 1) % 3; the producer's iteration g, once both consumers have
+// retired step g - 3 (EMPTY[g % 3]: K stage g % 3 and V stage (g - 1) % 3 are then free), copies
+// step g's K and V as one group (at an item's first step also its Q, once both consumers have
+// retired the last S of the item before: QFREE), fetches step g + 1's key offsets, then waits for
+// the group of step g - 1 and announces it to each consumer (FULL[w][(g - 1) % 3]).
+// Each barrier id's phases stay apart: the producer's arrival for step g + 3 on FULL[w][s] follows
+// its wait for step g + 1's EMPTY (so w has synced step g), a consumer's arrival for step g + 3 on
+// EMPTY[s] follows FULL of step g + 3, announced after the producer's wait for step g, and QFREE
+// likewise a whole item apart. The producer syncs every step's EMPTY and every item's QFREE once,
+// so no arrival is left over at the end.
 #define WGW_FULL(w, s) (1 + 3 * (w) + (s))
 #define WGW_EMPTY(s) (7 + (s))
 #define WGW_SCHED(w) (10 + (w))
 #define WGW_PRODUCER 12
+#define WGW_QFREE 13
 #define WGW_PRODUCER_REGS 56
 #define WGW_CONSUMER_REGS 224  // 128 x 56 + 256 x 224 = 64,512 of an SM's 65,536
 
-__device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
+__device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles, int zcount) {
     constexpr int ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
     constexpr int PARTS = WG_D / 8;            // 16-byte pieces of a cached head row
     constexpr int COPIES = KT * PARTS / 128;   // a producer thread's copies of one K (or V) tile: 16
     constexpr int KSTEP = 128 / PARTS;         // keys between them: 8
     extern __shared__ __align__(16) unsigned char smem[];
 
-    ATTN_BLOCK_LOCALS(ROWS, KT);
-    const int tile0 = ab.tile0, tile1 = max(ab.tile1, ab.tile0);
+    const int items = row_tiles * hk * zcount;
+    auto item = [&](int i) {
+        return attn_item(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, KT, row_tiles, zcount, i);
+    };
+    // This block's next item from i on with rows (a sequence shorter than the launch's longest
+    // has none in its top row tiles), or items.
+    auto next_item = [&](int i) {
+        for (; i < items; i += gridDim.x) {
+            const AttnBlock a = item(i);
+            if (a.row0 < a.nrows) break;
+        }
+        return i;
+    };
     const int tid = threadIdx.x, wg = tid / 128;
 
     unsigned char* gbase;
@@ -715,27 +733,24 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
     if (wg == 0) {  // the producer
         warpgroup_regs_dec<WGW_PRODUCER_REGS>();
         const int p = tid;
-        const int* table = block_tables + (size_t)b * max_blocks;
-        // The cache row (in 16-byte units) of key p of `tile` into its offset slot; 0 past kv_end.
-        auto fetch = [&](int tile) {
-            if (tile < tile1) {
-                const int kpos = tile * KT + p;
-                unsigned int off = 0u;
-                if (kpos < kv_end) {
-                    const size_t blk = (size_t)table[kpos / block_size];
-                    off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
-                }
-                off_s[(tile % STAGES) * KT + p] = off;
+        // The cache row (in 16-byte units) of key p of a's `tile` into offset slot `slot`; 0 past kv_end.
+        auto fetch = [&](const AttnBlock& a, int tile, int slot) {
+            const int kpos = tile * KT + p;
+            unsigned int off = 0u;
+            if (kpos < a.kv_end) {
+                const size_t blk = (size_t)block_tables[(size_t)a.b * max_blocks + kpos / block_size];
+                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + a.kh) * PARTS);
             }
+            off_s[slot * KT + p] = off;
         };
         // Piece `part` of keys key0 + 8 i: keys 8 apart keep the swizzle's chunk, 1024 bytes apart.
         const int key0 = p / PARTS, part = p % PARTS;
         const unsigned dst0 = (part / 8) * WGR_HALF + key0 * 128 + (((part % 8) ^ (key0 & 7)) << 4);
-        auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache) {
-            const unsigned dst = slots + (tile % STAGES) * WGR_TILE + dst0;
-            const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
+        auto copy_tile = [&](const AttnBlock& a, int tile, int slot, unsigned stage, const bf16_t* cache) {
+            const unsigned dst = stage + dst0;
+            const unsigned int* offs = off_s + slot * KT + key0;
             const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;
-            const int valid = kv_end - tile * KT - key0;
+            const int valid = a.kv_end - tile * KT - key0;
             unsigned int off[COPIES];
 #pragma unroll
             for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
@@ -749,49 +764,68 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
             bar_arrive(WGW_FULL(0, step % STAGES), 256);
             bar_arrive(WGW_FULL(1, step % STAGES), 256);
         };
-        fetch(tile0);
-        // The V stage step tile0's P V reads with a zero P: zeros, not stale NaNs.
-        {
-            const unsigned vz = v_s + ((tile0 + STAGES - 1) % STAGES) * WGR_TILE;
-            for (int e = p; e < WGR_TILE / 4; e += 128) st_shared_u32(vz + e * 4, 0u);
-        }
+        int i = next_item(blockIdx.x);
+        if (i >= items) return;  // the consumers find none either
+        AttnBlock a = item(i);
+        int j = 0;
+        if (a.tile0 < a.tile1) fetch(a, a.tile0, 0);
+        // The V stage step 0's P V reads with a zero P: zeros, not stale NaNs.
+        for (int e = p; e < WGR_TILE / 4; e += 128) st_shared_u32(v_s + (STAGES - 1) * WGR_TILE + e * 4, 0u);
         grid_dependency_wait();  // q and this step's K/V come from the kernel before
         bar_sync(WGW_PRODUCER, 128);
-        copy_q_sw128<ROWS, 128>(q_s, q, q_stride, row0, nrows, group, q0, kh, p);
-        for (int t = tile0; t <= tile1; ++t) {
-            if (t >= tile0 + STAGES) bar_sync(WGW_EMPTY(t % STAGES), 384);
-            if (t < tile1) copy_tile(t, k_s, k_cache);
-            if (t > tile0) copy_tile(t - 1, v_s, v_cache);
-            cp_async_commit();
-            fetch(t + 1);  // its slot held tile t - 2's offsets, last read by V(t - 2) a step ago
-            if (t > tile0) {
-                cp_async_wait<1>();
-                announce(t - 1);
+        int g = 0;
+        for (;; ++g) {
+            const int n = max(a.tile1, a.tile0) - a.tile0;
+            if (g >= STAGES) bar_sync(WGW_EMPTY(g % STAGES), 384);
+            bool announced = false;
+            if (j == 0) {
+                if (g > 0) {  // the item before: its final step's group, then Q free
+                    cp_async_wait<0>();
+                    announce(g - 1);
+                    announced = true;
+                    bar_sync(WGW_QFREE, 384);
+                }
+                copy_q_sw128<ROWS, 128>(q_s, q, q_stride, a.row0, a.nrows, a.group, a.q0, a.kh, p);
             }
-            bar_sync(WGW_PRODUCER, 128);  // tile t + 1's offsets, for every producer thread
+            if (j < n) copy_tile(a, a.tile0 + j, g % STAGES, k_s + (g % STAGES) * WGR_TILE, k_cache);
+            if (j > 0)
+                copy_tile(a, a.tile0 + j - 1, (g + STAGES - 1) % STAGES, v_s + ((g + STAGES - 1) % STAGES) * WGR_TILE,
+                          v_cache);
+            cp_async_commit();
+            // step g + 1: this item's next, or the next item's first
+            const bool last = j == n;
+            if (last) {
+                i = next_item(i + gridDim.x);
+                if (i < items) {
+                    a = item(i);
+                    j = 0;
+                }
+            } else {
+                ++j;
+            }
+            if (i < items && j < max(a.tile1, a.tile0) - a.tile0) fetch(a, a.tile0 + j, (g + 1) % STAGES);
+            if (g > 0 && !announced) {
+                cp_async_wait<1>();
+                announce(g - 1);
+            }
+            bar_sync(WGW_PRODUCER, 128);  // step g + 1's offsets, for every producer thread
+            if (last && i >= items) break;
         }
         cp_async_wait<0>();
-        announce(tile1);  // the last V (and, with no tiles, Q and the zeroed stage)
+        announce(g);
+        // the phases the loop left: EMPTY of the last three steps, QFREE of the last item
+        for (int s = max(g - STAGES + 1, 0); s <= g; ++s) bar_sync(WGW_EMPTY(s % STAGES), 384);
+        bar_sync(WGW_QFREE, 384);
         return;
     }
 
     warpgroup_regs_inc<WGW_CONSUMER_REGS>();
     const int w = wg - 1, other = 1 - w, warp = (tid % 128) / 32, lane = tid % 32;
-    const int g = lane >> 2, c = lane & 3;
-    const int ra = row0 + w * 64 + warp * 16 + g, rb = ra + 8;
-    const int pos_a = ra < nrows ? ctx - qlen + ra / group : -1;
-    const int pos_b = rb < nrows ? ctx - qlen + rb / group : -1;
+    const int gq = lane >> 2, c = lane & 3;
+    grid_dependency_wait();  // the kernel before is done with what this writes
 
-    float o[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
-    float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
-    unsigned int pa[16][2];  // the P whose product is pending: the last tile's
-#pragma unroll
-    for (int n = 0; n < 16; ++n) { pa[n][0] = 0u; pa[n][1] = 0u; }
-
-    auto issue_s = [&](int tile, float (&s)[16][4]) {
-        const unsigned kt = k_s + (tile % STAGES) * WGR_TILE;
+    auto issue_s = [&](int step, float (&s)[16][4]) {
+        const unsigned kt = k_s + (step % STAGES) * WGR_TILE;
 #pragma unroll
         for (int n = 0; n < 16; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
         wgmma_fence();
@@ -802,8 +836,10 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
         }
         wgmma_commit();
     };
-    auto issue_pv = [&](int vtile) {
-        const unsigned vt = v_s + ((vtile % STAGES + STAGES) % STAGES) * WGR_TILE;
+    float o[16][4];
+    unsigned int pa[16][2];  // the P whose product is pending: the last tile's
+    auto issue_pv = [&](int step) {
+        const unsigned vt = v_s + ((step + STAGES - 1) % STAGES) * WGR_TILE;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
             WgmmaRATB<128>::mma(&o[0][0], &pa[2 * kk][0], sw128_mn_desc(vt + kk * 2048, WGR_HALF), 1);
@@ -811,35 +847,53 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS) {
     };
 
     if (w == 1) bar_arrive(WGW_SCHED(0), 256);  // consumer 0 issues first
-    for (int tile = tile0; tile < tile1; ++tile) {
-        bar_sync(WGW_FULL(w, tile % STAGES), 256);  // K(t) and V(t - 1) (Q and the zeroed V first)
-        float s[16][4];
+    int g = 0;
+    for (int i = next_item(blockIdx.x); i < items; i = next_item(i + gridDim.x)) {
+        const AttnBlock a = item(i);
+        const int n = max(a.tile1, a.tile0) - a.tile0;
+        const int ra = a.row0 + w * 64 + warp * 16 + gq, rb = ra + 8;
+        const int pos_a = ra < a.nrows ? a.ctx - a.qlen + ra / a.group : -1;
+        const int pos_b = rb < a.nrows ? a.ctx - a.qlen + rb / a.group : -1;
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            o[t][0] = 0.f; o[t][1] = 0.f; o[t][2] = 0.f; o[t][3] = 0.f;
+            pa[t][0] = 0u; pa[t][1] = 0u;
+        }
+        float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
+        for (int j = 0; j < n; ++j, ++g) {
+            bar_sync(WGW_FULL(w, g % STAGES), 256);  // K of tile j, V of tile j - 1 (Q with the first)
+            float s[16][4];
+            bar_sync(WGW_SCHED(w), 256);
+            issue_s(g, s);
+            issue_pv(g);
+            bar_arrive(WGW_SCHED(other), 256);
+            wgmma_wait<1>();
+            Wgmma<128>::pin(&s[0][0]);
+            const float2 corr =
+                softmax_weights<16, true>(s, (a.tile0 + j) * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
+            // ptxas keeps a wait after an earlier shared store: the softmax stays before the wait
+            st_shared_u32(sink, __float_as_uint(l_a + l_b));
+            wgmma_wait<0>();
+            Wgmma<128>::pin(&o[0][0]);
+            if (j == n - 1) bar_arrive(WGW_QFREE, 384);  // the item's last S: Q may be replaced
+            bar_arrive(WGW_EMPTY(g % STAGES), 384);
+            rescale_m_tile<16>(o, corr);
+#pragma unroll
+            for (int t = 0; t < 16; ++t) { pa[t][0] = pack2_rn(s[t][0], s[t][1]); pa[t][1] = pack2_rn(s[t][2], s[t][3]); }
+        }
+        bar_sync(WGW_FULL(w, g % STAGES), 256);  // the item's last V
         bar_sync(WGW_SCHED(w), 256);
-        issue_s(tile, s);
-        issue_pv(tile - 1);
+        wgmma_fence();
+        issue_pv(g);
         bar_arrive(WGW_SCHED(other), 256);
-        wgmma_wait<1>();
-        Wgmma<128>::pin(&s[0][0]);
-        const float2 corr = softmax_weights<16, true>(s, tile * KT, c, pos_a, pos_b, scale_log2, m_a, m_b, l_a, l_b);
-        // ptxas keeps a wait after an earlier shared store: the softmax stays before the wait
-        st_shared_u32(sink, __float_as_uint(l_a + l_b));
         wgmma_wait<0>();
         Wgmma<128>::pin(&o[0][0]);
-        if (tile + STAGES <= tile1) bar_arrive(WGW_EMPTY(tile % STAGES), 384);  // K(t), V(t - 1) free
-        rescale_m_tile<16>(o, corr);
-#pragma unroll
-        for (int n = 0; n < 16; ++n) { pa[n][0] = pack2_rn(s[n][0], s[n][1]); pa[n][1] = pack2_rn(s[n][2], s[n][3]); }
+        if (n == 0) bar_arrive(WGW_QFREE, 384);
+        bar_arrive(WGW_EMPTY(g % STAGES), 384);
+        ++g;
+        store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, a.nrows, a.group, a.q0, a.kh, hq,
+                           a.split, total_tokens, num_splits, out, part_o, part_ml, v_scale);
     }
-    bar_sync(WGW_FULL(w, tile1 % STAGES), 256);  // the last V
-    bar_sync(WGW_SCHED(w), 256);
-    wgmma_fence();
-    issue_pv(tile1 - 1);
-    bar_arrive(WGW_SCHED(other), 256);
-    wgmma_wait<0>();
-    Wgmma<128>::pin(&o[0][0]);
-    grid_dependency_wait();  // the kernel before is done with what this writes
-    store_m_tile<WG_D>(o, m_a, m_b, quad_sum(l_a), quad_sum(l_b), ra, rb, c, nrows, group, q0, kh, hq, split,
-                       total_tokens, num_splits, out, part_o, part_ml, v_scale);
 }
 
 #define ATTENTION_WGR_ENTRY(NAME, KV8, PP)                                                        \
@@ -855,9 +909,14 @@ ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
 // wgs: wgr's products and data flow, its warpgroups in ping-pong (the PP notes above).
 ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
 // wgw: wgs's consumers fed by a producer warpgroup (the notes above attention_wgw_body).
-#define ATTENTION_WGW_ENTRY(NAME)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(ATTN_TC_PARAMS) { attention_wgw_body(ATTN_TC_ARGS); }
-ATTENTION_WGW_ENTRY(attention_wgw_d128_prefill)
+// ATTN_TC_PARAMS, then the launch's items: row tiles and sequences x splits (attention_plan.item_launch)
+#define ATTENTION_ITEMS_ENTRY(NAME)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(ATTN_TC_PARAMS, int row_tiles, int zcount) { \
+        attention_wgw_body(ATTN_TC_ARGS, row_tiles, zcount);                                      \
+    }
+ATTENTION_ITEMS_ENTRY(attention_wgw_d128_prefill)
+// the same body, launched on a persistent grid (attention_plan: wgwp)
+ATTENTION_ITEMS_ENTRY(attention_wgwp_d128_prefill)
 // fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true, false)
 // fp8 KV cache with Q K^T in e4m3 (q quantized per row to e4m3 x 2^n as it loads).

@@ -157,6 +157,31 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
     return a;
 }
+// The same for item i of a kernel that loops over its blocks (persistent): items run longest
+// first over the whole launch, row tile row_tiles - 1 of every (kv head, sequence x split) before
+// row tile row_tiles - 2 of any, so that a block's items come out of one descending list.
+__device__ __forceinline__ AttnBlock attn_item(const int* query_start_loc, const int* seq_lens, int hq, int hk,
+                                               int num_splits, int rows_per_block, int kt, int row_tiles,
+                                               int zcount, int i) {
+    const int per = hk * zcount, rest = i % per;
+    AttnBlock a;
+    a.group = hq / hk;
+    a.kh = rest % hk;
+    const int z = rest / hk;
+    a.b = z / num_splits;
+    a.split = z % num_splits;
+    a.q0 = query_start_loc[a.b];
+    a.qlen = query_start_loc[a.b + 1] - a.q0;
+    a.ctx = seq_lens[a.b];
+    a.nrows = a.qlen * a.group;
+    a.row0 = (row_tiles - 1 - i / per) * rows_per_block;
+    const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
+    a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
+    const KeyChunks c = key_chunks(a.kv_end, kt, num_splits);
+    a.tile0 = a.split * c.chunk;
+    a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
+    return a;
+}
 // A tensor-core prompt kernel's place as locals (the kernel's ATTN_TC_PARAMS in scope), longest
 // blocks first; a block past its sequence's rows returns from the kernel.
 #define ATTN_BLOCK_LOCALS(ROWS, KT)                                                                   \
