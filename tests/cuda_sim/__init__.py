@@ -82,8 +82,8 @@ def _launchers(src: str) -> str:
     # the kernels over items take the launch's item space last (attention_plan.launch_shape)
     for name in re.findall(r"^ATTENTION_ITEMS_ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
-                   f'size_t smem, ATTN_TC_PARAMS, int row_tiles, int zcount) {{ return sim::launch(gx, gy, gz, '
-                   f'threads, smem, [&] {{ {name}(ATTN_TC_ARGS, row_tiles, zcount); }}); }}')
+                   f'size_t smem, ATTN_TC_PARAMS, int row_tiles, int zcount) {{ return sim::launch(gx, gy, '
+                   f'gz, threads, smem, [&] {{ {name}(ATTN_TC_ARGS, row_tiles, zcount); }}); }}')
     # the decode kernels merging their own splits take the counters and the codes' outputs last
     for name in re.findall(r"^SELF_MERGE_TC_ENTRY\((\w+)[,)]", src, flags=re.M):
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '

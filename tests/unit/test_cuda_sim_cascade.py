@@ -12,7 +12,14 @@ import ctypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import _LAUNCH_ARGTYPES, _TC_ARGTYPES, SIM_RESIDENT, SimAttention, SimUnavailable, build_kernels
+from tests.cuda_sim import (
+    _LAUNCH_ARGTYPES,
+    _TC_ARGTYPES,
+    SIM_RESIDENT,
+    SimAttention,
+    SimUnavailable,
+    build_kernels,
+)
 from tests.cuda_sim import bf16_bits as _bits
 from tests.cuda_sim import bf16_float as _float
 from tests.unit.cascade_batches import shared_prefix_batch

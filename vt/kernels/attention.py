@@ -25,8 +25,8 @@ from vt.kernels.attention_plan import (
     attention_kernel,
     attention_partial_bytes,
     combine_key_tile,
-    launch_shape,
     key_splits,
+    launch_shape,
     max_splits_within,
 )
 from vt.kernels.cascade_plan import cascade_scratch, cascade_splits_within
@@ -282,7 +282,8 @@ class AttentionOps(CudaCore):
             launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,),
                    args + (counters, *outputs), shared_mem=smem)
             return out, act
-        grid, items = launch_shape(kernel, row_tiles, hk, b * splits, self._resident_blocks(kernel, smem, threads))
+        grid, items = launch_shape(kernel, row_tiles, hk, b * splits,
+                                   self._resident_blocks(kernel, smem, threads))
         launch(kernel, grid, (threads,), args + tuple(_i32(x) for x in items), shared_mem=smem)
         if splits > 1:
             self._launch(
