@@ -315,7 +315,7 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_
                 block_idx() = {x, y, z};
                 ++b.serial;
                 b.rng = ((timing().order + 1) * 0x9E3779B97F4A7C15ull) ^ (b.serial * 0xBF58476D1CE4E5B9ull);
-                std::memset(g_smem, 0xA5, smem_bytes);  // stale garbage, as a real block sees
+                std::memset(g_smem, 0xFF, smem_bytes);  // stale garbage, as a real block sees: NaN as bf16 and f32
                 b.live = (int)threads;
                 b.arrived = 0;
                 for (unsigned w = 0; w < threads / 32; ++w) { b.warps[w].live = 32; b.warps[w].arrived = 0; }

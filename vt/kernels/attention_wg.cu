@@ -769,8 +769,14 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
         AttnBlock a = item(i);
         int j = 0;
         if (a.tile0 < a.tile1) fetch(a, a.tile0, 0);
-        // The V stage step 0's P V reads with a zero P: zeros, not stale NaNs.
-        for (int e = p; e < WGR_TILE / 4; e += 128) st_shared_u32(v_s + (STAGES - 1) * WGR_TILE + e * 4, 0u);
+        // The V stage an item's first step reads with a zero P (0 x stale NaN is NaN): step 0's,
+        // and on a block running several items any stage (one that no step has filled yet, after
+        // an item of one tile or of none).
+        {
+            const int first = gridDim.x < items ? 0 : STAGES - 1;
+            for (int e = p; e < (STAGES - first) * WGR_TILE / 4; e += 128)
+                st_shared_u32(v_s + first * WGR_TILE + e * 4, 0u);
+        }
         grid_dependency_wait();  // q and this step's K/V come from the kernel before
         bar_sync(WGW_PRODUCER, 128);
         int g = 0;
