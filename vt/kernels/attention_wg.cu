@@ -675,10 +675,10 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 // and V); the two consumer warpgroups (1 and 2, 64 rows each) only multiply and run the softmax, in
 // wgs's ping-pong. The producer gives registers back (setmaxnreg) for the consumers.
 //
-// A launch covers items (attn_item: row tile, kv head, sequence x split; longest first) and block
-// k runs items k, k + gridDim.x, ...: one each on a full grid, or a persistent grid of one block an
-// SM, where the producer streams the next item's Q and first keys while the consumers finish the
-// last one. The block's work is one sequence of steps g = 0, 1, ...: an item of n key tiles is n
+// A launch covers items (attn_item: row tile, kv head, sequence x split; longest first), dealt
+// to the blocks a round at a time (round_item): one each on a full grid, or several on a
+// persistent grid of one block an SM, where the producer streams the next item's Q and first keys
+// while the consumers finish the last one. The block's work is one sequence of steps g = 0, 1, ...: an item of n key tiles is n
 // steps (S of its tile j, P V of tile j - 1; at j = 0 a zero P over the V stage the step before
 // filled, or the zeroed one) and a final step (P V of its last tile, then its output). Step g reads
 // K stage g % 3 and V stage (g - 1) % 3; the producer's iteration g, once both consumers have
@@ -710,14 +710,22 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
     auto item = [&](int i) {
         return attn_item(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, KT, row_tiles, zcount, i);
     };
-    // This block's next item from i on with rows (a sequence shorter than the launch's longest
-    // has none in its top row tiles), or items.
-    auto next_item = [&](int i) {
-        for (; i < items; i += gridDim.x) {
-            const AttnBlock a = item(i);
-            if (a.row0 < a.nrows) break;
+    // Round r gives this block item r * G + k (r even) or r * G + G - 1 - k (r odd), G blocks, k its
+    // index: the descending list dealt out in a snake, so that the blocks' sums of key tiles stay
+    // level (dealt in the same direction every round, the first blocks would get the longest
+    // item of every round). This block's next round from r on with an item that has rows (a
+    // sequence shorter than the launch's longest has none in its top row tiles), or -1.
+    const int G = gridDim.x, k = blockIdx.x;
+    auto round_item = [&](int r) { return r * G + (r % 2 ? G - 1 - k : k); };
+    auto next_round = [&](int r) {
+        for (; r * G < items; ++r) {
+            const int i = round_item(r);
+            if (i < items) {
+                const AttnBlock a = item(i);
+                if (a.row0 < a.nrows) return r;
+            }
         }
-        return i;
+        return -1;
     };
     const int tid = threadIdx.x, wg = tid / 128;
 
@@ -764,16 +772,16 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
             bar_arrive(WGW_FULL(0, step % STAGES), 256);
             bar_arrive(WGW_FULL(1, step % STAGES), 256);
         };
-        int i = next_item(blockIdx.x);
-        if (i >= items) return;  // the consumers find none either
-        AttnBlock a = item(i);
+        int r = next_round(0);
+        if (r < 0) return;  // the consumers find none either
+        AttnBlock a = item(round_item(r));
         int j = 0;
         if (a.tile0 < a.tile1) fetch(a, a.tile0, 0);
         // The V stage an item's first step reads with a zero P (0 x stale NaN is NaN): step 0's,
         // and on a block running several items any stage (one that no step has filled yet, after
         // an item of one tile or of none).
         {
-            const int first = gridDim.x < items ? 0 : STAGES - 1;
+            const int first = G < items ? 0 : STAGES - 1;
             for (int e = p; e < (STAGES - first) * WGR_TILE / 4; e += 128)
                 st_shared_u32(v_s + first * WGR_TILE + e * 4, 0u);
         }
@@ -801,21 +809,21 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
             // step g + 1: this item's next, or the next item's first
             const bool last = j == n;
             if (last) {
-                i = next_item(i + gridDim.x);
-                if (i < items) {
-                    a = item(i);
+                r = next_round(r + 1);
+                if (r >= 0) {
+                    a = item(round_item(r));
                     j = 0;
                 }
             } else {
                 ++j;
             }
-            if (i < items && j < max(a.tile1, a.tile0) - a.tile0) fetch(a, a.tile0 + j, (g + 1) % STAGES);
+            if (r >= 0 && j < max(a.tile1, a.tile0) - a.tile0) fetch(a, a.tile0 + j, (g + 1) % STAGES);
             if (g > 0 && !announced) {
                 cp_async_wait<1>();
                 announce(g - 1);
             }
             bar_sync(WGW_PRODUCER, 128);  // step g + 1's offsets, for every producer thread
-            if (last && i >= items) break;
+            if (last && r < 0) break;
         }
         cp_async_wait<0>();
         announce(g);
@@ -854,8 +862,8 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
 
     if (w == 1) bar_arrive(WGW_SCHED(0), 256);  // consumer 0 issues first
     int g = 0;
-    for (int i = next_item(blockIdx.x); i < items; i = next_item(i + gridDim.x)) {
-        const AttnBlock a = item(i);
+    for (int r = next_round(0); r >= 0; r = next_round(r + 1)) {
+        const AttnBlock a = item(round_item(r));
         const int n = max(a.tile1, a.tile0) - a.tile0;
         const int ra = a.row0 + w * 64 + warp * 16 + gq, rb = ra + 8;
         const int pos_a = ra < a.nrows ? a.ctx - a.qlen + ra / a.group : -1;
