@@ -124,6 +124,19 @@ for s in $steps; do
           --chunks 2048 --repeats 3 --warmup 1 --json "$OUT/chunked_8b_$t.json" 2>&1 | tail -5 | sed "s/^/$t /" \
           | tee -a "$OUT/tilings.log"
       done ;;
+    wgw)  # the producer-warpgroup prompt tilings (wgw, wgwp) against wgs: their GPU tests, kernel rates, then the
+          # 8000/64 fp8 row served on each (SERVE_TILINGS; ~6 min in all)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py -k "prefill_tilings and wgw" \
+        2>&1 | tail -4 | tee "$OUT/wgw.log"
+      timeout 240 python3 -m bench.kernels.attn_tilings --tiling wgs --tiling wgw --tiling wgwp > "$OUT/wgw_time.log" 2>&1
+      tail -30 "$OUT/wgw_time.log"
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for t in ${SERVE_TILINGS:-wgs wgw wgwp}; do
+        VT_PREFILL_TILING=$t timeout 150 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-fp8-$t" \
+          --rows targets --targets 8000/64 --out "/tmp/wgw_$t" --server-args="--max-num-seqs 256 --max-model-len 16384 \
+          --quantization fp8 --max-num-batched-tokens 8192" 2>&1 | grep -v "^Loading" | tail -4 | sed "s/^/$t /" \
+          | tee -a "$OUT/wgw.log"
+      done ;;
     targets8)  # the peer's target rows, 8B, on $TILING, else the tiling the tilings step found best, else vt's default
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
       t="${TILING:-$(cat "$OUT/best_tiling" 2>/dev/null)}"

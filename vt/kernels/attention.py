@@ -91,7 +91,7 @@ class AttentionOps(CudaCore):
         # prologue leaves q rounded to e4m3 x 2^n, so every kernel reads the same query
         self.kv8_qk8 = requested_switch("VT_KV8_QK8")
         # A decode launch merges its own key splits in its last block, in place of the
-        # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off by default)
+        # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off: slower at 1-8 rows)
         self.attn_self_combine = requested_count(None, "VT_ATTN_SELF_COMBINE", 0, 1) == 1
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
