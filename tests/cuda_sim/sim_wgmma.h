@@ -223,6 +223,8 @@ struct SimWgmmaRegA {
 };
 template <int N>
 struct WgmmaRATB : SimWgmmaRegA<N, true> {};
+template <int N>
+struct WgmmaRA : SimWgmmaRegA<N, false> {};
 
 // e4m3 code -> float (the format's finite values; the kernels never hold the NaN codes).
 inline float sim_e4m3(unsigned char c) {

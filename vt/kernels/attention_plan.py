@@ -145,7 +145,8 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
                          kv8_tiling="wgr"),
     # wgw: wgs's two warpgroups fed by a third that makes every copy (a producer warpgroup, its
     # registers given to the other two; attention_wg.cu's notes above attention_wgw_body), a block
-    # an item; wgwp: the same kernel on a persistent grid, a block an SM streaming its items.
+    # an item; wgwp: the same body with Q in registers on a persistent grid, a block an SM streaming
+    # its items.
     "wgw": PrefillTiling("attention_wgw_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr", items=True),
     "wgwp": PrefillTiling("attention_wgwp_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,

@@ -699,6 +699,10 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
 #define WGW_PRODUCER_REGS 56
 #define WGW_CONSUMER_REGS 224  // 128 x 56 + 256 x 224 = 64,512 of an SM's 65,536
 
+// QREG: each consumer holds its Q rows in registers for the item (S's A from registers, 32 more a
+// thread), read from the Q buffer at the item's first step; the buffer is free from then on
+// (QFREE), so the producer may load the next item's Q a whole item early instead of at the last S.
+template <bool QREG>
 __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles, int zcount) {
     constexpr int ROWS = 128, KT = WGR_KT, STAGES = WGR_STAGES;
     constexpr int PARTS = WG_D / 8;            // 16-byte pieces of a cached head row
@@ -838,6 +842,17 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
     const int gq = lane >> 2, c = lane & 3;
     grid_dependency_wait();  // the kernel before is done with what this writes
 
+    unsigned int qf[QREG ? 8 : 1][4];  // QREG: k-step kk's A fragment (rows 16 warp + g, + 8)
+    // QREG: this thread's Q fragments from the swizzled buffer, k-step kk one ldmatrix.x4 (matrix
+    // i: rows + 8 (i % 2), the k-step's 16-byte chunk i / 2; lanes 8 i .. 8 i + 7 address it).
+    auto load_q = [&]() {
+        const int i = lane / 8, row = w * 64 + warp * 16 + lane % 8 + 8 * (i % 2);
+#pragma unroll
+        for (int kk = 0; kk < (QREG ? 8 : 0); ++kk) {
+            const int ch = (kk % 4) * 2 + i / 2;
+            ldsm_x4(qf[kk], gbase + (kk / 4) * (ROWS * 128) + row * 128 + ((ch ^ (row & 7)) << 4));
+        }
+    };
     auto issue_s = [&](int step, float (&s)[16][4]) {
         const unsigned kt = k_s + (step % STAGES) * WGR_TILE;
 #pragma unroll
@@ -845,8 +860,13 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-            const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + w * 64 * 128 + (kk % 4) * 32;
-            Wgmma<128>::mma(&s[0][0], sw128_desc(qa), sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32), kk > 0);
+            const u64_t kd = sw128_desc(kt + (kk / 4) * WGR_HALF + (kk % 4) * 32);
+            if constexpr (QREG) {
+                WgmmaRA<128>::mma(&s[0][0], qf[kk], kd, kk > 0);
+            } else {
+                const unsigned qa = q_s + (kk / 4) * (ROWS * 128) + w * 64 * 128 + (kk % 4) * 32;
+                Wgmma<128>::mma(&s[0][0], sw128_desc(qa), kd, kk > 0);
+            }
         }
         wgmma_commit();
     };
@@ -876,6 +896,10 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
         float m_a = -VT_INF, m_b = -VT_INF, l_a = 0.f, l_b = 0.f;
         for (int j = 0; j < n; ++j, ++g) {
             bar_sync(WGW_FULL(w, g % STAGES), 256);  // K of tile j, V of tile j - 1 (Q with the first)
+            if (QREG && j == 0) {
+                load_q();
+                bar_arrive(WGW_QFREE, 384);  // read: the producer may load the next item's Q
+            }
             float s[16][4];
             bar_sync(WGW_SCHED(w), 256);
             issue_s(g, s);
@@ -889,7 +913,7 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
             st_shared_u32(sink, __float_as_uint(l_a + l_b));
             wgmma_wait<0>();
             Wgmma<128>::pin(&o[0][0]);
-            if (j == n - 1) bar_arrive(WGW_QFREE, 384);  // the item's last S: Q may be replaced
+            if (!QREG && j == n - 1) bar_arrive(WGW_QFREE, 384);  // the item's last S: Q may be replaced
             bar_arrive(WGW_EMPTY(g % STAGES), 384);
             rescale_m_tile<16>(o, corr);
 #pragma unroll
@@ -924,13 +948,13 @@ ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
 ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
 // wgw: wgs's consumers fed by a producer warpgroup (the notes above attention_wgw_body).
 // ATTN_TC_PARAMS, then the launch's items: row tiles and sequences x splits (attention_plan.item_launch)
-#define ATTENTION_ITEMS_ENTRY(NAME)                                                               \
+#define ATTENTION_ITEMS_ENTRY(NAME, QREG)                                                         \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(ATTN_TC_PARAMS, int row_tiles, int zcount) { \
-        attention_wgw_body(ATTN_TC_ARGS, row_tiles, zcount);                                      \
+        attention_wgw_body<QREG>(ATTN_TC_ARGS, row_tiles, zcount);                                \
     }
-ATTENTION_ITEMS_ENTRY(attention_wgw_d128_prefill)
-// the same body, launched on a persistent grid (attention_plan: wgwp)
-ATTENTION_ITEMS_ENTRY(attention_wgwp_d128_prefill)
+ATTENTION_ITEMS_ENTRY(attention_wgw_d128_prefill, false)
+// the same body with Q in registers, launched on a persistent grid (attention_plan: wgwp)
+ATTENTION_ITEMS_ENTRY(attention_wgwp_d128_prefill, true)
 // fp8 KV cache (e4m3 codes): the same tiles, each converted to bf16 in shared memory.
 ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill_kv8, true, false)
 // fp8 KV cache with Q K^T in e4m3 (q quantized per row to e4m3 x 2^n as it loads).

@@ -8,7 +8,7 @@
 // A k-step of 16 advances the descriptor's start by 32 bytes. m64nNk16 accumulators: thread t of
 // the warpgroup holds d[j] for row 16 (t / 32) + (t % 32) / 4 + 8 ((j / 2) % 2) and column
 // 8 (j / 4) + 2 (t % 4) + j % 2, i.e. per warp, mma.m16n8's C fragments n-tile after n-tile.
-// One form takes A from registers instead (WgmmaRATB, at the end).
+// Two forms take A from registers instead (WgmmaRATB, WgmmaRA, at the end).
 
 typedef unsigned long long u64_t;
 
@@ -154,6 +154,24 @@ struct WgmmaRATB<128> {
                      "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
                      "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
                      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : WG_D64(0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    }
+    static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
+};
+
+// The same with B K-major (a sw128_desc descriptor, as Wgmma's): S = Q K^T with Q in registers.
+template <int N>
+struct WgmmaRA;
+template <>
+struct WgmmaRA<128> {
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, u64_t b, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                     "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
+                     "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
+                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
                      : WG_D64(0)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
     }
