@@ -143,40 +143,30 @@ WGMMA_M64(WgmmaTB<128>, "128", WG_D64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, 
 // The product reads a[] when it runs, asynchronously: the registers must keep their values until
 // a wgmma_wait has retired it. Write the next A only after that wait: ptxas, which allocates the
 // registers, otherwise moves the wait up to where they are overwritten.
+// TB: imm-trans-b, 1 for an N-major B (WgmmaRATB), 0 for a K-major one (WgmmaRA, a sw128_desc
+// descriptor as Wgmma's: S = Q K^T with Q in registers).
+template <int TB>
+struct WgmmaRegA128 {
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, u64_t b, int scale_d) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                     "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
+                     "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
+                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : WG_D64(0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TB));
+    }
+    static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
+};
 template <int N>
 struct WgmmaRATB;
 template <>
-struct WgmmaRATB<128> {
-    static __device__ __forceinline__ void mma(float* d, const unsigned* a, u64_t b, int scale_d) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                     "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
-                     "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
-                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                     "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                     : WG_D64(0)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-    }
-    static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
-};
-
-// The same with B K-major (a sw128_desc descriptor, as Wgmma's): S = Q K^T with Q in registers.
+struct WgmmaRATB<128> : WgmmaRegA128<1> {};
 template <int N>
 struct WgmmaRA;
 template <>
-struct WgmmaRA<128> {
-    static __device__ __forceinline__ void mma(float* d, const unsigned* a, u64_t b, int scale_d) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                     "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
-                     "%28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
-                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                     "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                     : WG_D64(0)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-    }
-    static __device__ __forceinline__ void pin(float* d) { asm volatile("" : WG_D64(0)::"memory"); }
-};
+struct WgmmaRA<128> : WgmmaRegA128<0> {};
 
 // d (m64nN accumulators) (+)= A . B^T with A and B e4m3 codes, both K-major from sw128_desc
 // descriptors (fp8 wgmma has no transposed form): a k-step is 32 codes, 32 bytes, so the
