@@ -15,9 +15,23 @@ from vt.kernels.attention_plan import (
     attention_kernel,
     combine_key_tile,
     key_splits,
+    launch_shape,
     tc_smem,
 )
 from vt.kernels.sources import translation_unit
+
+
+def test_item_kernels_get_a_1d_grid_and_the_item_space_others_their_3d_grid():
+    wgs = attention_kernel(4, 1000, 128, prefill="wgs")  # 4000 rows: 32 row tiles
+    assert launch_shape(wgs.name, wgs.row_tiles, 8, 6, 132) == ((32, 8, 6), ())
+    wgw = attention_kernel(4, 1000, 128, prefill="wgw")
+    assert (wgw.name, wgw.threads) == ("attention_wgw_d128_prefill", 384)
+    assert launch_shape(wgw.name, wgw.row_tiles, 8, 6, 132) == ((32 * 8 * 6, 1, 1), (32, 6))  # one an item
+    wgwp = attention_kernel(4, 1000, 128, prefill="wgwp")
+    assert launch_shape(wgwp.name, wgwp.row_tiles, 8, 6, 132) == ((132, 1, 1), (32, 6))  # a block an SM
+    assert launch_shape(wgwp.name, 1, 8, 2, 132) == ((16, 1, 1), (1, 2))  # never more blocks than items
+    # an fp8 cache's prompts run wgr's kernel (3-D grid) on both
+    assert launch_shape(attention_kernel(4, 1000, 128, prefill="wgwp", kv8=True).name, 32, 8, 6, 132)[1] == ()
 
 
 def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one():
