@@ -28,6 +28,30 @@ __device__ __forceinline__ unsigned smem_base_1024(unsigned char* smem, unsigned
     return base;
 }
 
+// The cache row of key kpos of kv head kh (its block from the sequence's table row), in 16-byte
+// units of `parts` a head row: the offset every prompt tiling stages for its copies.
+__device__ __forceinline__ unsigned int cache_row16(const int* table, int kpos, int block_size, int hk, int kh,
+                                                    int parts) {
+    const size_t blk = (size_t)table[kpos / block_size];
+    return (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * parts);
+}
+
+// A thread's COPIES 16-byte pieces of a K or V tile: keys KSTEP apart (destinations 128 x KSTEP
+// bytes apart), their staged offsets read first (read between the copies, whose asm clobbers
+// memory, each would cost a shared-load round trip and ptxas pads every copy after one); pieces
+// of keys at or past `valid` (this thread's count of real keys, times KSTEP) are zero-filled.
+// src is the cache's address plus the piece's as an integer: one IMAD.WIDE a copy.
+template <int COPIES, int KSTEP>
+__device__ __forceinline__ void copy_key_pieces(unsigned dst, const unsigned int* offs, u64_t src, int valid) {
+    unsigned int off[COPIES];
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i)
+        cp_async16_u32(dst + i * KSTEP * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
+                       i * KSTEP < valid ? 16 : 0);
+}
+
 #define WG_KT 64
 #define WG_D 128
 #define WG_SROW (WG_D + 8)                          // V staging row (bf16), ldmatrix conflict free
@@ -94,12 +118,8 @@ __device__ __forceinline__ void attention_wg_body(ATTN_TC_PARAMS) {
     auto fetch = [&](int tile) {
         if (tid < WG_KT && tile < tile1) {
             const int kpos = tile * WG_KT + tid;
-            unsigned int off = NONE;
-            if (kpos < kv_end) {
-                const size_t blk = (size_t)table[kpos / block_size];
-                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
-            }
-            off_s[(tile % STAGES) * WG_KT + tid] = off;
+            off_s[(tile % STAGES) * WG_KT + tid] =
+                kpos < kv_end ? cache_row16(table, kpos, block_size, hk, kh, PARTS) : NONE;
         }
     };
     // K into its swizzled halves; V likewise (VDIRECT) or into the staging tile.
@@ -447,12 +467,7 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
         const int fk = PP ? wg * (KT / 2) + tid % 128 : tid;
         if ((PP ? tid % 128 < KT / 2 : tid < KT) && tile < tile1) {
             const int kpos = tile * KT + fk;
-            unsigned int off = 0u;
-            if (kpos < kv_end) {
-                const size_t blk = (size_t)table[kpos / block_size];
-                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + kh) * PARTS);
-            }
-            off_s[(tile % STAGES) * KT + fk] = off;
+            off_s[(tile % STAGES) * KT + fk] = kpos < kv_end ? cache_row16(table, kpos, block_size, hk, kh, PARTS) : 0u;
         }
     };
     // One K or V tile into its stage of `slots`: this thread's piece `part` of keys key0 + 16 i.
@@ -473,17 +488,8 @@ __device__ __forceinline__ void attention_wgr_body(ATTN_TC_PARAMS) {
     auto copy_tile = [&](int tile, unsigned slots, const bf16_t* cache, unsigned d0) {
         const unsigned dst = slots + (tile % STAGES) * STAGE_BYTES + d0;
         const unsigned int* offs = off_s + (tile % STAGES) * KT + key0;
-        const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;  // as an integer: one IMAD.WIDE a copy
-        const int valid = kv_end - tile * KT - key0;  // this thread's keys i with KSTEP i < valid are real
-        // The offsets first: read between the copies (whose asm clobbers memory), each read
-        // costs a shared-load round trip and ptxas pads every copy after one.
-        unsigned int off[COPIES];
-#pragma unroll
-        for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
-#pragma unroll
-        for (int i = 0; i < COPIES; ++i)
-            cp_async16_u32(dst + i * KSTEP * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
-                           i * KSTEP < valid ? 16 : 0);
+        copy_key_pieces<COPIES, KSTEP>(dst, offs, reinterpret_cast<u64_t>(cache) + part * 16,
+                                       kv_end - tile * KT - key0);
     };
 
     for (int i = 0; i < STAGES; ++i) fetch(tile0 + i);
@@ -748,12 +754,9 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
         // The cache row (in 16-byte units) of key p of a's `tile` into offset slot `slot`; 0 past kv_end.
         auto fetch = [&](const AttnBlock& a, int tile, int slot) {
             const int kpos = tile * KT + p;
-            unsigned int off = 0u;
-            if (kpos < a.kv_end) {
-                const size_t blk = (size_t)block_tables[(size_t)a.b * max_blocks + kpos / block_size];
-                off = (unsigned int)(((blk * block_size + kpos % block_size) * hk + a.kh) * PARTS);
-            }
-            off_s[slot * KT + p] = off;
+            off_s[slot * KT + p] = kpos < a.kv_end ? cache_row16(block_tables + (size_t)a.b * max_blocks, kpos,
+                                                                 block_size, hk, a.kh, PARTS)
+                                                   : 0u;
         };
         // Piece `part` of keys key0 + 8 i: keys 8 apart keep the swizzle's chunk, 1024 bytes apart.
         const int key0 = p / PARTS, part = p % PARTS;
@@ -761,15 +764,8 @@ __device__ __forceinline__ void attention_wgw_body(ATTN_TC_PARAMS, int row_tiles
         auto copy_tile = [&](const AttnBlock& a, int tile, int slot, unsigned stage, const bf16_t* cache) {
             const unsigned dst = stage + dst0;
             const unsigned int* offs = off_s + slot * KT + key0;
-            const u64_t src = reinterpret_cast<u64_t>(cache) + part * 16;
-            const int valid = a.kv_end - tile * KT - key0;
-            unsigned int off[COPIES];
-#pragma unroll
-            for (int i = 0; i < COPIES; ++i) off[i] = offs[i * KSTEP];
-#pragma unroll
-            for (int i = 0; i < COPIES; ++i)
-                cp_async16_u32(dst + i * KSTEP * 128, reinterpret_cast<const void*>(src + (u64_t)off[i] * 16),
-                               i * KSTEP < valid ? 16 : 0);
+            copy_key_pieces<COPIES, KSTEP>(dst, offs, reinterpret_cast<u64_t>(cache) + part * 16,
+                                           a.kv_end - tile * KT - key0);
         };
         auto announce = [&](int step) {
             fence_proxy_async();

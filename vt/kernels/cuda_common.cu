@@ -137,6 +137,14 @@ __device__ __forceinline__ KeyChunks key_chunks(int kv_end, int kt, int num_spli
     const int ntiles = (kv_end + kt - 1) / kt;
     return {ntiles, (ntiles + num_splits - 1) / num_splits};
 }
+// A block's keys once its rows are set: the last row's causal limit and its split's key tiles.
+__device__ __forceinline__ void attn_block_keys(AttnBlock& a, int rows_per_block, int kt, int num_splits) {
+    const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
+    a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
+    const KeyChunks c = key_chunks(a.kv_end, kt, num_splits);
+    a.tile0 = a.split * c.chunk;
+    a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
+}
 __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, const int* seq_lens, int hq, int hk,
                                                 int num_splits, int rows_per_block, int kt,
                                                 bool longest_first = false) {
@@ -150,11 +158,7 @@ __device__ __forceinline__ AttnBlock attn_block(const int* query_start_loc, cons
     a.ctx = seq_lens[a.b];
     a.nrows = a.qlen * a.group;
     a.row0 = (longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rows_per_block;
-    const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
-    a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
-    const KeyChunks c = key_chunks(a.kv_end, kt, num_splits);
-    a.tile0 = a.split * c.chunk;
-    a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
+    attn_block_keys(a, rows_per_block, kt, num_splits);
     return a;
 }
 // The same for item i of a kernel that loops over its blocks (persistent): items run longest
@@ -175,11 +179,7 @@ __device__ __forceinline__ AttnBlock attn_item(const int* query_start_loc, const
     a.ctx = seq_lens[a.b];
     a.nrows = a.qlen * a.group;
     a.row0 = (row_tiles - 1 - i / per) * rows_per_block;
-    const int last_row = min(a.row0 + rows_per_block, a.nrows) - 1;
-    a.kv_end = min(a.ctx, a.ctx - a.qlen + last_row / a.group + 1);
-    const KeyChunks c = key_chunks(a.kv_end, kt, num_splits);
-    a.tile0 = a.split * c.chunk;
-    a.tile1 = min(c.ntiles, a.tile0 + c.chunk);
+    attn_block_keys(a, rows_per_block, kt, num_splits);
     return a;
 }
 // A tensor-core prompt kernel's place as locals (the kernel's ATTN_TC_PARAMS in scope), longest
