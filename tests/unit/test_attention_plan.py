@@ -40,7 +40,8 @@ def test_decode_rows_take_the_key_sharing_kernels_and_long_spans_the_prefill_one
     assert attention_kernel(2, 4, 128)[:3] == ("attention_tc_d128_decode8", True, 1)  # 4 tokens x 2
     assert attention_kernel(16, 1, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
     assert attention_kernel(4, 4, 128)[:3] == ("attention_tc_d128_decode", True, 1)  # 16 rows
-    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgs_d128_prefill", True, 1)  # 20 rows
+    assert attention_kernel(4, 5, 128)[:3] == ("attention_wgwp_d128_prefill", True, 1)  # 20 rows: default
+    assert attention_kernel(4, 5, 128, prefill="wgs")[:3] == ("attention_wgs_d128_prefill", True, 1)
     assert attention_kernel(4, 5, 128, prefill="wgr")[:3] == ("attention_wgr_d128_prefill", True, 1)
     assert attention_kernel(4, 5, 128, prefill="r64")[:3] == ("attention_tc_d128_prefill", True, 1)
     # wgs has no fp8-cache kernel: an fp8 cache's prompts take wgr's, decodes stay on theirs

@@ -119,8 +119,9 @@ class PrefillTiling(NamedTuple):
 # running during the next tile's softmax; wgv: wgp reading V N-major where it lands, with no
 # transpose. All are checked against numpy (tests/cuda_sim, tests/gpu) and timed on Hopper
 # (bench/kernels/attn_tilings.py, bench/RESULTS.md): wgr (wgv with P kept in registers as wgmma's
-# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64, and wgs (wgr in ping-pong)
-# faster still on every case timed (1.07-1.13x wgr) and the default. A GPU without sm_90 (or a head
+# register A, 128-key tiles, K loaded two tiles ahead) is 1.7-2.3x r64, wgs (wgr in ping-pong)
+# 1.07-1.13x wgr, and wgwp (wgs's consumers fed by a producer warpgroup, Q in registers, a
+# persistent grid) 1.06-1.4x wgs and the default. A GPU without sm_90 (or a head
 # dim they lack) runs r64. VT_PREFILL_TILING picks one for a benchmark. The shared memory
 # follows each entry's template arguments in attention_tc.cu / attention_wg.cu (stages, staged Q
 # rows, buffers, V read directly; wgr_smem for wgr's and wgs's own body).
@@ -146,7 +147,9 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
     # wgw: wgs's two warpgroups fed by a third that makes every copy (a producer warpgroup, its
     # registers given to the other two; attention_wg.cu's notes above attention_wgw_body), a block
     # an item; wgwp: the same body with Q in registers on a persistent grid, a block an SM streaming
-    # its items.
+    # its items. wgwp is the default: on the H100 the fastest at 8B's heads on every case but a 2k
+    # chunk at 32k keys (where wgw leads by 6%), and the 8B fp8 8000/64 row serves 1% faster on
+    # either than on wgs (bench/RESULTS.md).
     "wgw": PrefillTiling("attention_wgw_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
                          kv8_tiling="wgr", items=True),
     "wgwp": PrefillTiling("attention_wgwp_d{d}_prefill", (128,), 128, 384, lambda d: wgr_smem(), True,
@@ -156,7 +159,7 @@ PREFILL_TILINGS: dict[str, PrefillTiling] = {
 ITEM_KERNELS: dict[str, bool] = {
     t.kernel.format(d=d): t.persistent for t in PREFILL_TILINGS.values() if t.items for d in t.head_dims
 }
-DEFAULT_PREFILL_TILING = "wgs"
+DEFAULT_PREFILL_TILING = "wgwp"
 # The tiling with a kernel for every tensor-core head dim on every GPU: a head dim (or a device)
 # another tiling lacks runs on it, and benchmarks compare against it.
 FALLBACK_PREFILL_TILING = "r64"
