@@ -199,6 +199,24 @@ for s in $steps; do
           done
         done
       done ;;
+    combquant)  # the split merge writing the fp8 codes (VT_ATTN_COMBINE_QUANT=1): its GPU tests, the fp8 suite
+                # with it on, 8B fp8 decode steps off / on alternated, then the batch-1 and 8000/64 rows (~8 min)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
+        -k writing_its_fp8_codes 2>&1 | tail -4 | tee "$OUT/combquant.log"
+      VT_ATTN_COMBINE_QUANT=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py 2>&1 \
+        | tail -4 | tee -a "$OUT/combquant.log"
+      for on in 0 1 0 1; do
+        VT_ATTN_COMBINE_QUANT=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
+          --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
+          | sed "s/^/combine_quant=$on /" | tee -a "$OUT/combquant.log"
+      done
+      test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
+      for on in 0 1; do
+        VT_ATTN_COMBINE_QUANT=$on timeout 150 python3 -m bench.serving.serving_matrix --model /tmp/q8 \
+          --label "8b-fp8-cq$on" --rows targets --targets 128/256,8000/64 --out "/tmp/cq$on" \
+          --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --max-num-batched-tokens 8192" \
+          2>&1 | grep -E "^\| target|failed requests" | sed "s/^/combine_quant=$on /" | tee -a "$OUT/combquant.log"
+      done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
     matrix06)  # the serving matrix and the peer's target rows, 0.6B

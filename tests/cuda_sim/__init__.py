@@ -137,6 +137,15 @@ extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, un
         attention_combine_k(part_o, part_ml, qsl, seq_lens, num_seqs, out, total_tokens, hq, d, num_splits,
                             key_tile); });
 }
+extern "C" int sim_attention_combine_quant_k(unsigned gx, unsigned gy, unsigned gz, unsigned threads,
+                                             size_t smem, const float* part_o, const float* part_ml,
+                                             const int* qsl, const int* seq_lens, int num_seqs, bf16_t* out,
+                                             int total_tokens, int hq, int d, int num_splits, int key_tile,
+                                             unsigned char* act_q, float* act_scale) {
+    return sim::launch(gx, gy, gz, threads, smem, [&] {
+        attention_combine_quant_k(part_o, part_ml, qsl, seq_lens, num_seqs, out, total_tokens, hq, d,
+                                  num_splits, key_tile, act_q, act_scale); });
+}
 """
 
 
@@ -249,6 +258,8 @@ class SimAttention:
         self.scalar.sim_attention_combine_k.argtypes = _LAUNCH_ARGTYPES + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.scalar.sim_attention_combine_quant_k.argtypes = (
+            self.scalar.sim_attention_combine_k.argtypes + [ctypes.c_void_p, ctypes.c_void_p])
 
     def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
@@ -328,5 +339,19 @@ class SimAttention:
         rc = self.scalar.sim_attention_combine_k(t * hq, 1, 1, 64, 0, _ptr(part_o), _ptr(part_ml),
                                                  _ptr(query_start_loc), _ptr(seq_lens), seq_lens.shape[0],
                                                  _ptr(out), t, hq, d, splits, key_tile)
+        assert rc == 0
+        return out
+
+    def combine_quant(self, part_o: np.ndarray, part_ml: np.ndarray, query_start_loc: np.ndarray,
+                      seq_lens: np.ndarray, out: np.ndarray, key_tile: int,
+                      codes: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """attention_combine_quant_k as cuda_ops launches it (a block of 32 x min(Hq, 32) threads a
+        token): out merged as combine() merges it, and codes (uint8[T, Hq * D], f32[T]) written."""
+        splits, t, hq, d = part_o.shape
+        q, scale = codes
+        assert q.shape == (t, hq * d) and q.flags.c_contiguous and scale.shape == (t,)
+        rc = self.scalar.sim_attention_combine_quant_k(
+            t, 1, 1, 32 * min(hq, 32), 0, _ptr(part_o), _ptr(part_ml), _ptr(query_start_loc), _ptr(seq_lens),
+            seq_lens.shape[0], _ptr(out), t, hq, d, splits, key_tile, _ptr(q), _ptr(scale))
         assert rc == 0
         return out

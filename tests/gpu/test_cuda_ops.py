@@ -702,12 +702,14 @@ def test_decode_merging_its_own_splits_gives_the_combines_bits(cb, nb, rng, monk
     (32, 8, 128, False), (32, 8, 128, True),  # decode8 (the 8B model's heads)
     (16, 2, 256, True),                       # r2 (CUDA cores)
 ])
-def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypatch, hq, hk, d, kv8):
-    """attention_fp8_out with VT_ATTN_SELF_COMBINE's path: one _selfmerge launch writes the tokens'
-    per-token codes and scales (each token's last block), no attention_combine_k or
-    quantize_rows_k; the bits of the switch off (attention, combine, quantize_rows_k), the
-    counters zero after; block-scaled codes still launch quantize_rows_k. Replayed twice from a
-    graph over other context lengths, still the eager switch-off bits."""
+@pytest.mark.parametrize("switch", ["attn_self_combine", "attn_combine_quant"])
+def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypatch, hq, hk, d, kv8, switch):
+    """attention_fp8_out with a path that writes the tokens' per-token codes and scales without
+    quantize_rows_k: VT_ATTN_SELF_COMBINE's (one _selfmerge launch, each token's last block; no
+    attention_combine_k) or VT_ATTN_COMBINE_QUANT's (attention_combine_quant_k after the decode
+    launch). The bits of the switch off (attention, combine, quantize_rows_k), the counters zero
+    after; block-scaled codes still launch quantize_rows_k. Replayed twice from a graph over
+    other context lengths, still the eager switch-off bits."""
     import cupy
 
     from vt.kernels.attention_plan import SELF_MERGE_SUFFIX
@@ -724,8 +726,8 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
         a = result["a"]
         return cupy.asnumpy(a.q[:t]), cupy.asnumpy(a.scale[..., :t])
 
-    def eager(self_merge: bool, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        monkeypatch.setattr(cb, "attn_self_combine", self_merge)
+    def eager(on: bool, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        monkeypatch.setattr(cb, switch, on)
         with cb.slot(0):
             step(group)
             cupy.cuda.Device().synchronize()
@@ -740,17 +742,20 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
         assert "attention_combine_k" in launched and "quantize_rows_k" in launched, launched
         launched.clear()
         got = eager(True)
-        assert len(launched) == 1 and launched[0].endswith(SELF_MERGE_SUFFIX), launched
+        if switch == "attn_self_combine":
+            assert len(launched) == 1 and launched[0].endswith(SELF_MERGE_SUFFIX), launched
+        else:
+            assert launched[-1] == "attention_combine_quant_k" and "quantize_rows_k" not in launched, launched
         for g, w in zip(got, want[-1], strict=True):
             np.testing.assert_array_equal(g, w)
         assert not m.counters().any()
         launched.clear()
         block = eager(True, 128)  # block-scaled codes: the quantize launch stays
-        assert "quantize_rows_k" in launched, launched
-        monkeypatch.setattr(cb, "attn_self_combine", False)
+        assert "quantize_rows_k" in launched and "attention_combine_quant_k" not in launched, launched
+        monkeypatch.setattr(cb, switch, False)
         for g, w in zip(block, eager(False, 128), strict=True):
             np.testing.assert_array_equal(g, w)
-    monkeypatch.setattr(cb, "attn_self_combine", True)
+    monkeypatch.setattr(cb, switch, True)
     m.set_lens(m.seq_lens)
     graph = cb.capture(0, step)
 

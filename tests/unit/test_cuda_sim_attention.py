@@ -402,6 +402,51 @@ def test_fp8_codes_after_a_sequence_without_a_token(sim, quantize_rows):
                      quantize_rows=quantize_rows)
 
 
+# ---- ... or by the merge after the launch (attention_combine_quant_k, VT_ATTN_COMBINE_QUANT=1) --------
+@pytest.mark.parametrize("hq,hk,d,kv8,q_lens,ctx", [
+    (32, 8, 128, False, [1] * 5, None),  # the 8B model's heads (decode8), contexts from its key tile
+    (32, 8, 128, True, [1, 0, 1, 1], [1, 700, 90, 65]),  # a sequence without a token
+    (64, 2, 96, False, [1] * 3, [5, 300, 2000]),  # 64 heads: each warp merges two rows
+    (8, 2, 64, False, [2, 1], [40, 300]),  # two query rows: every split merged
+])
+def test_the_merge_writes_the_tokens_fp8_codes_bit_for_bit(sim, quantize_rows, hq, hk, d, kv8, q_lens, ctx):
+    """attention_combine_quant_k over a decode launch's 40 splits: out as attention_combine_k
+    merges it and the codes and scales quantize_rows_k makes of it, bit for bit, for every row of
+    out: two padding rows past the last sequence keep their (garbage) rows and get their codes.
+    The splits past a decode row's keys hold finite m over NaN partials (where the combine reads
+    only those with keys): reading one shows."""
+    rng = np.random.default_rng(hq + d + kv8 + len(q_lens))
+    plan = attention_kernel(hq // hk, max(q_lens), d, kv8=kv8)
+    kt = combine_key_tile(plan, max(q_lens))
+    if ctx is None:
+        ctx = [1, kt + 1, 3 * kt + 17, 5, 2 * kt]
+    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
+    if kv8:
+        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
+    pad = _bits(rng.standard_normal((2, hq, d)).astype(np.float32) * 3)
+    q = np.concatenate([q, pad])  # rows past the last sequence: no block reads them
+    b, t = len(q_lens), q.shape[0]
+    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
+    out, part_o, part_ml = sim.partials(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens,
+                                        table, d**-0.5, COMBINE_SPLITS,
+                                        kv_scales=KV8_SCALES if kv8 else (1.0, 1.0))
+    out[int(qsl[-1]):] = pad  # what an earlier step left there
+    if kt > 0:
+        for i, (n, c) in enumerate(zip(q_lens, ctx, strict=True)):
+            if n == 1 and qsl[i] == i:  # after a sequence without a token every split is merged
+                _poison(part_o, part_ml, slice(_active_splits(c, kt, COMBINE_SPLITS), None), int(qsl[i]))
+    want = sim.combine(part_o, part_ml, qsl, seq_lens, out.copy(), key_tile=kt)
+    assert np.isfinite(_float(want)).all()
+    want_q, want_s = quantize_rows(want.reshape(t, hq * d))
+    codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
+    got = sim.combine_quant(part_o, part_ml, qsl, seq_lens, out.copy(), kt, codes)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(codes[0], want_q)
+    np.testing.assert_array_equal(codes[1], want_s)
+    wrong = sim.combine_quant(part_o, part_ml, qsl, seq_lens, out.copy(), 0, codes)  # every split read
+    assert kt == 0 or np.isnan(_float(wrong)).any()
+
+
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):
     """A kernel run through a simulator that got ldmatrix or mma wrong would still 'pass' against
     a lenient check; this one reads V through the decode8 kernel's transposed path and must fail

@@ -215,6 +215,17 @@ SELF_MERGE_ENTRY(attention_r4_kv8_selfmerge, 4, true)
 // long context splits 30-60 ways however short the real one; the splits past the keys carry
 // m = -inf and weigh nothing, and the ones read are the leading ones in order, so the sums are
 // the same bits. key_tile 0: every split.
+// The splits attention_combine_k merges for token t: for the one query row of a decode sequence
+// (key_tile > 0) those holding its keys (the kernel's kv_end is seq_lens[b]), every split otherwise.
+// first: query_start_loc[0], the launch's first token.
+__device__ __forceinline__ int combine_splits(const int* query_start_loc, const int* seq_lens, int num_seqs, int t,
+                                              int first, int num_splits, int key_tile) {
+    const int b = t - first;  // the row's sequence, unless one before it has no token
+    if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1)
+        return splits_with_keys(seq_lens[b], key_tile, num_splits);
+    return num_splits;
+}
+
 extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                const int* __restrict__ query_start_loc,
                                                const int* __restrict__ seq_lens, int num_seqs,
@@ -226,14 +237,38 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
     // over a later part of the batch)
     const int first = query_start_loc[0];
     if (t < first || t >= query_start_loc[num_seqs]) return;
-    int splits = num_splits;
-    const int b = t - first;  // the row's sequence, unless one before it has no token
-    if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1) {
-        // one query row sees every key of its sequence: the kernel's kv_end is seq_lens[b]
-        splits = splits_with_keys(seq_lens[b], key_tile, num_splits);
-    }
+    const int splits = combine_splits(query_start_loc, seq_lens, num_seqs, t, first, num_splits, key_tile);
     merge_split_partials(part_o, part_ml, splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                          out + (size_t)row * d, d);
+}
+
+// attention_combine_k, then quantize_rows_k's per-token codes (group 0) of the merged rows, as one
+// launch: an fp8 projection's input after a decode launch with key splits (attention.py,
+// VT_ATTN_COMBINE_QUANT). A block a token of every row of out (grid total_tokens), a warp a head
+// row at a time: each row merged as attention_combine_k merges it (the same splits, the same
+// bits), then the token's bf16 row read back and quantized as quantize_rows_k does. A token of no
+// sequence keeps its row of out, and gets that row's codes, as quantize_rows_k would give them.
+extern "C" __global__ void __launch_bounds__(1024)
+attention_combine_quant_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                          const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, int num_seqs,
+                          bf16_t* __restrict__ out, int total_tokens, int hq, int d, int num_splits, int key_tile,
+                          unsigned char* __restrict__ act_q, float* __restrict__ act_scale) {
+    grid_dependents_go();  // the GEMV after this may start streaming its weights
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    const int first = query_start_loc[0];
+    if (t >= first && t < query_start_loc[num_seqs]) {
+        const int splits = combine_splits(query_start_loc, seq_lens, num_seqs, t, first, num_splits, key_tile);
+        for (int h = threadIdx.x >> 5; h < hq; h += blockDim.x >> 5) {
+            const int row = t * hq + h;
+            merge_split_partials<false, true>(part_o, part_ml, splits,
+                                              [&](int s) { return (size_t)s * total_tokens * hq + row; },
+                                              out + (size_t)row * d, d);
+        }
+        __syncthreads();  // the block's stores of the row, before any thread reads it back
+    }
+    const size_t k = (size_t)hq * d;
+    quantize_token_row(out + t * k, act_q + t * k, act_scale, t, (int)k, scratch);
 }
 
 // ---- cascade attention (cascade_plan.py): decodes sharing their first prefix_len keys ---------

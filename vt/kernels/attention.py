@@ -54,8 +54,8 @@ _SELF_MERGE_TC = tuple(k + SELF_MERGE_SUFFIX for k in _TC_KERNELS if "_decode" i
 _SELF_MERGE_SCALAR = tuple(k + SELF_MERGE_SUFFIX for k in _SCALAR_KERNELS)
 # The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
 KERNELS = {
-    "attention.cu": (*_SCALAR_KERNELS, *_SELF_MERGE_SCALAR, "attention_combine_k", "attention_cascade_prep_k",
-                     "attention_cascade_combine_k"),
+    "attention.cu": (*_SCALAR_KERNELS, *_SELF_MERGE_SCALAR, "attention_combine_k",
+                     "attention_combine_quant_k", "attention_cascade_prep_k", "attention_cascade_combine_k"),
     "attention_tc.cu": (*_TC_KERNELS, *_SELF_MERGE_TC),
 }
 _LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS, *_SELF_MERGE_SCALAR, *_SELF_MERGE_TC)
@@ -79,6 +79,7 @@ def requested_prefill_tiling(name: str | None) -> str | None:
 class AttentionOps(CudaCore):
     kv8_qk8: bool = False
     attn_self_combine: bool = False
+    attn_combine_quant: bool = False
 
     def _init_attention(self, requested_tiling: str | None) -> None:
         """Opt the kernels into their shared memory, pick the prompt tiling (the requested one,
@@ -93,6 +94,9 @@ class AttentionOps(CudaCore):
         # A decode launch merges its own key splits in its last block, in place of the
         # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off: slower at 1-8 rows)
         self.attn_self_combine = requested_count(None, "VT_ATTN_SELF_COMBINE", 0, 1) == 1
+        # An fp8 projection's per-token codes made by the split merge itself (one launch, not
+        # attention_combine_k and quantize_rows_k), with VT_ATTN_COMBINE_QUANT=1
+        self.attn_combine_quant = requested_count(None, "VT_ATTN_COMBINE_QUANT", 0, 1) == 1
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
         self._occupancy: dict[tuple[str, int, int], int] = {}
@@ -204,8 +208,9 @@ class AttentionOps(CudaCore):
         """attention(...) as an fp8 projection's input: quantize_fp8(out as [T, Hq * D], group).
         A decode launch that merges its own splits (VT_ATTN_SELF_COMBINE=1) with per-token scales
         (group None) writes the codes in the same launch, each token's last block quantizing its
-        row as quantize_rows_k does (attention_merge.cu); otherwise quantize_fp8 launches after
-        it. Either way the codes come from Fp8Ops._activation, as quantize_fp8's do."""
+        row as quantize_rows_k does (attention_merge.cu); with VT_ATTN_COMBINE_QUANT=1 the merge
+        after a split launch writes them (attention_combine_quant_k); otherwise quantize_fp8
+        launches after it. Either way the codes come from Fp8Ops._activation, as quantize_fp8's do."""
         t, hq, d = q.shape
         out, codes = self._attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                   max_query_len, max_seq_len, None, decode_seqs, follows_kv_write, kv_scales,
@@ -220,7 +225,8 @@ class AttentionOps(CudaCore):
                 decode_seqs: int, follows_kv_write: bool, kv_scales: tuple[float, float],
                 cascade_blocks: int, codes: bool) -> tuple[cupy.ndarray, Fp8Activation | None]:
         """attention's launches and out; codes: per-token fp8 codes of out are wanted, which a
-        self-merging decode launch writes itself (then returned; None where no launch did)."""
+        self-merging decode launch, or with VT_ATTN_COMBINE_QUANT=1 the merge after a split
+        launch, writes itself (then returned; None where no launch did)."""
         qst = token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -286,13 +292,15 @@ class AttentionOps(CudaCore):
                                    self._resident_blocks(kernel, smem, threads))
         launch(kernel, grid, (threads,), args + tuple(_i32(x) for x in items), shared_mem=smem)
         if splits > 1:
-            self._launch(
-                "attention_combine_k",
-                (t * hq,),
-                (64,),
-                (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
-                 _i32(splits), _i32(key_tile)),
-            )
+            merge = (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
+                     _i32(splits), _i32(key_tile))
+            if codes and self.attn_combine_quant:
+                # a block a token, a warp a head row at a time: every row of out, as quantize_rows_k
+                act = self._activation(t, hq * d, None)
+                self._launch("attention_combine_quant_k", (t,), (32 * min(hq, 32),),
+                             merge + (act.q, act.scale))
+                return out, act
+            self._launch("attention_combine_k", (t * hq,), (64,), merge)
         return out, None
 
     def _cascade(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,

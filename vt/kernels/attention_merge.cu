@@ -17,13 +17,13 @@ __device__ __forceinline__ T partial_at(const T* p) {
 
 // Merge the split partials of one output row into out_row: split s's partial is row where(s) of
 // part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
-// share the row's d / 2 pairs. Each pass reads MERGE_BATCH splits' values at once and then folds
+// share the row's d / 2 pairs (WARP: the calling warp's lanes do, a warp a row). Each pass reads MERGE_BATCH splits' values at once and then folds
 // them in split order: a decode row's 16-60 splits cost a few L2 round trips a pass instead of one
 // a split (which made the merge ~7 us at batch 1), with the arithmetic of a split-at-a-time loop.
 // A batch may read the partials of a split that saw no key (rows of the launch's scratch, never
 // written): they are never used.
 constexpr int MERGE_BATCH = 8;
-template <bool L2_ONLY = false, typename Where>
+template <bool L2_ONLY = false, bool WARP = false, typename Where>
 __device__ __forceinline__ void merge_split_partials(const float* part_o, const float* part_ml, int num_splits,
                                                      Where where, bf16_t* out_row, int d) {
     const float2* ml = reinterpret_cast<const float2*>(part_ml);  // (m, l) of a row
@@ -48,7 +48,7 @@ __device__ __forceinline__ void merge_split_partials(const float* part_o, const 
     }
     const float inv = denom > 0.f ? 1.f / denom : 0.f;
     const int half = d / 2;
-    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+    for (int p = WARP ? threadIdx.x & 31 : threadIdx.x; p < half; p += WARP ? 32 : blockDim.x) {
         float a = 0.f, c = 0.f;
         for (int s0 = 0; s0 < num_splits; s0 += MERGE_BATCH) {
             float m[MERGE_BATCH];
