@@ -18,6 +18,11 @@ peer_pair() {
     --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
 }
+# The environment of a decode-lever arm (levers, lever_rows): off, cq, pf or both
+arm_env() {
+  case $1 in cq) echo "VT_ATTN_COMBINE_QUANT=1" ;; pf) echo "VT_GEMV_PREFETCH=1" ;;
+    both) echo "VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1" ;; *) echo "VT_LEVER_NONE=1" ;; esac
+}
 # A bench script in checkout $1 (this one: .), under a timeout of $2 s, as module $3 (serving.x); the rest
 # are its arguments. Checkouts from before bench/ had folders keep their scripts as bench/x.py.
 bench_in() {
@@ -199,23 +204,28 @@ for s in $steps; do
           done
         done
       done ;;
-    combquant)  # the split merge writing the fp8 codes (VT_ATTN_COMBINE_QUANT=1): its GPU tests, the fp8 suite
-                # with it on, 8B fp8 decode steps off / on alternated, then the batch-1 and 8000/64 rows (~8 min)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
-        -k writing_its_fp8_codes 2>&1 | tail -4 | tee "$OUT/combquant.log"
-      VT_ATTN_COMBINE_QUANT=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py 2>&1 \
-        | tail -4 | tee -a "$OUT/combquant.log"
-      for on in 0 1 0 1; do
-        VT_ATTN_COMBINE_QUANT=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
-          --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
-          | sed "s/^/combine_quant=$on /" | tee -a "$OUT/combquant.log"
-      done
+    levers)  # two fp8 decode levers, off by default until measured: the split merge writing o_proj's codes
+             # (VT_ATTN_COMBINE_QUANT=1) and the GEMV requesting its weights up front (VT_GEMV_PREFETCH=1). Their
+             # GPU tests, the fp8 and model suites with both on, then 8B fp8 decode steps per arm (LEVER_ARMS,
+             # LEVER_REPS rounds; ~6 min); lever_rows serves the batch-1 and 8000/64 fp8 rows per arm (~4 min)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py tests/gpu/test_fp8_cuda.py \
+        -k "writing_its_fp8_codes or prefetching" 2>&1 | tail -4 | tee "$OUT/levers.log"
+      VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_fp8_cuda.py tests/gpu/test_model_cuda.py 2>&1 | tail -4 | tee -a "$OUT/levers.log"
+      for rep in $(seq "${LEVER_REPS:-1}"); do
+        for arm in ${LEVER_ARMS:-off cq pf both}; do
+          env $(arm_env $arm) timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
+            --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
+            | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
+        done
+      done ;;
+    lever_rows)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
-      for on in 0 1; do
-        VT_ATTN_COMBINE_QUANT=$on timeout 150 python3 -m bench.serving.serving_matrix --model /tmp/q8 \
-          --label "8b-fp8-cq$on" --rows targets --targets 128/256,8000/64 --out "/tmp/cq$on" \
+      for arm in ${LEVER_ARMS:-off cq pf both}; do
+        env $(arm_env $arm) timeout 150 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-fp8-$arm" \
+          --rows targets --targets 128/256,8000/64 --out "/tmp/lever_$arm" \
           --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --max-num-batched-tokens 8192" \
-          2>&1 | grep -E "^\| target|failed requests" | sed "s/^/combine_quant=$on /" | tee -a "$OUT/combquant.log"
+          2>&1 | grep -E "^\| target|failed requests" | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
       done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;
