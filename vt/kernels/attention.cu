@@ -215,9 +215,7 @@ SELF_MERGE_ENTRY(attention_r4_kv8_selfmerge, 4, true)
 // long context splits 30-60 ways however short the real one; the splits past the keys carry
 // m = -inf and weigh nothing, and the ones read are the leading ones in order, so the sums are
 // the same bits. key_tile 0: every split.
-// The splits attention_combine_k merges for token t: for the one query row of a decode sequence
-// (key_tile > 0) those holding its keys (the kernel's kv_end is seq_lens[b]), every split otherwise.
-// first: query_start_loc[0], the launch's first token.
+// Those splits for token t (first: query_start_loc[0]); a decode row's kv_end is seq_lens[b].
 __device__ __forceinline__ int combine_splits(const int* query_start_loc, const int* seq_lens, int num_seqs, int t,
                                               int first, int num_splits, int key_tile) {
     const int b = t - first;  // the row's sequence, unless one before it has no token

@@ -943,7 +943,7 @@ ATTENTION_WGR_ENTRY(attention_wgr_d128_prefill, false, false)
 // wgs: wgr's products and data flow, its warpgroups in ping-pong (the PP notes above).
 ATTENTION_WGR_ENTRY(attention_wgs_d128_prefill, false, true)
 // wgw: wgs's consumers fed by a producer warpgroup (the notes above attention_wgw_body).
-// ATTN_TC_PARAMS, then the launch's items: row tiles and sequences x splits (attention_plan.item_launch)
+// ATTN_TC_PARAMS, then the launch's items: row tiles and sequences x splits (attention_plan.launch_shape)
 #define ATTENTION_ITEMS_ENTRY(NAME, QREG)                                                         \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(ATTN_TC_PARAMS, int row_tiles, int zcount) { \
         attention_wgw_body<QREG>(ATTN_TC_ARGS, row_tiles, zcount);                                \

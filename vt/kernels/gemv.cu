@@ -165,26 +165,20 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
 
 // Grid: ceil(n / 16) blocks of 256 threads; *8_k take up to 8 tokens, *16_k up to 16.
 // fp8: xq e4m3 [tokens, k] (row stride k), wq e4m3 [n, k]; k a multiple of 64 (128 with block).
-#define GEMV_FP8_ENTRY(NAME, TILES, MIN_BLOCKS)                                                            \
+// PF: the chunks a block requests up front (0: none; _pf: GEMV_PF_CHUNKS, dynamic shared memory
+// min(k / 64, GEMV_PF_CHUNKS) KB).
+#define GEMV_FP8_ENTRY(NAME, TILES, MIN_BLOCKS, PF)                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS) NAME(                       \
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
         bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
-        gemv<TILES, true, GEMV_UNROLL_FP8>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, \
-                                           y, ldy, tokens, n, k / 64, accumulate);                         \
+        gemv<TILES, true, GEMV_UNROLL_FP8, PF>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block},      \
+                                               nullptr, y, ldy, tokens, n, k / 64, accumulate);            \
     }
-GEMV_FP8_ENTRY(gemv_fp8_8_k, 1, GEMV_MIN_BLOCKS_FP8_8)
-GEMV_FP8_ENTRY(gemv_fp8_16_k, 2, GEMV_MIN_BLOCKS)
-
-// The one-tile fp8 GEMV with its first GEMV_PF_CHUNKS chunks requested up front (dynamic shared
-// memory: min(k / 64, GEMV_PF_CHUNKS) KB), three blocks an SM.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3) gemv_fp8_8_pf_k(
-    const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,
-    const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,
-    bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {
-    gemv<1, true, GEMV_UNROLL_FP8, GEMV_PF_CHUNKS>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr,
-                                                   y, ldy, tokens, n, k / 64, accumulate);
-}
+GEMV_FP8_ENTRY(gemv_fp8_8_k, 1, GEMV_MIN_BLOCKS_FP8_8, 0)
+GEMV_FP8_ENTRY(gemv_fp8_16_k, 2, GEMV_MIN_BLOCKS, 0)
+// the one-tile kernel with its first chunks requested up front, three blocks an SM (64 KB each)
+GEMV_FP8_ENTRY(gemv_fp8_8_pf_k, 1, 3, GEMV_PF_CHUNKS)
 
 // bf16: x [tokens, k] (row stride ldx elements, 16-byte aligned rows), w [n, k] row-major; k a
 // multiple of 32; bias [n] or null.
