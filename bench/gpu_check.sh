@@ -18,10 +18,12 @@ peer_pair() {
     --max-concurrency 128 --input-len 128 --output-len 64 --max-num-seqs 256 \
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
 }
-# The environment of a decode-lever arm (levers, lever_rows): off, cq, pf or both
+# The environment of a decode-lever arm (levers, lever_rows, held_ab): base (the generic per-token
+# quantizing kernels, VT_FP8_HELD_ROWS=0), off (the defaults), cq, pf or both
 arm_env() {
   case $1 in cq) echo "VT_ATTN_COMBINE_QUANT=1" ;; pf) echo "VT_GEMV_PREFETCH=1" ;;
-    both) echo "VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1" ;; *) echo "VT_LEVER_NONE=1" ;; esac
+    both) echo "VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1" ;; base) echo "VT_FP8_HELD_ROWS=0" ;;
+    *) echo "VT_LEVER_NONE=1" ;; esac
 }
 # A bench script in checkout $1 (this one: .), under a timeout of $2 s, as module $3 (serving.x); the rest
 # are its arguments. Checkouts from before bench/ had folders keep their scripts as bench/x.py.
@@ -209,11 +211,11 @@ for s in $steps; do
              # GPU tests, the fp8 and model suites with both on, then 8B fp8 decode steps per arm (LEVER_ARMS,
              # LEVER_REPS rounds; ~6 min); lever_rows serves the batch-1 and 8000/64 fp8 rows per arm (~4 min)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py tests/gpu/test_fp8_cuda.py \
-        -k "writing_its_fp8_codes or prefetching" 2>&1 | tail -4 | tee "$OUT/levers.log"
+        -k "writing_its_fp8_codes or prefetching or held_row" 2>&1 | tail -4 | tee "$OUT/levers.log"
       VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_fp8_cuda.py tests/gpu/test_model_cuda.py 2>&1 | tail -4 | tee -a "$OUT/levers.log"
       for rep in $(seq "${LEVER_REPS:-1}"); do
-        for arm in ${LEVER_ARMS:-off cq pf both}; do
+        for arm in ${LEVER_ARMS:-base off cq pf both}; do
           env $(arm_env $arm) timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
             --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
             | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
@@ -226,6 +228,17 @@ for s in $steps; do
           --rows targets --targets 128/256,8000/64 --out "/tmp/lever_$arm" \
           --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --max-num-batched-tokens 8192" \
           2>&1 | grep -E "^\| target|failed requests" | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
+      done ;;
+    held_ab)  # fp8 step profiles per arm (HELD_ARMS: base = the generic per-token quantizing kernels, off =
+              # the held-row ones), alternated: an 8000-token prompt step beside 7 decodes, decodes of 256 and 1
+      for arm in ${HELD_ARMS:-base off base off}; do
+        for shape in ${HELD_SHAPES:-7:4000:8000 256:1024:0 1:1024:0}; do
+          IFS=: read -r nb ctx pf <<< "$shape"
+          env $(arm_env $arm) timeout 150 python3 -m bench.step.step_profile --preset 8b --batch "$nb" --context "$ctx" \
+            --prefill "$pf" --quantization fp8 --max-model-len 16384 2>&1 \
+            | grep -E "kernels per step|quant|silu|qk_norm|^depth 2" | sed "s|^|$arm b=$nb p=$pf |" \
+            | tee -a "$OUT/held_ab.log"
+        done
       done ;;
     envelope) timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_envelope.py 2>&1 | tail -30 \
       | tee "$OUT/envelope.log" ;;

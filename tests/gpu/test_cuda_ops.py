@@ -733,19 +733,22 @@ def test_decode_writing_its_fp8_codes_gives_the_quantize_bits(cb, rng, monkeypat
             cupy.cuda.Device().synchronize()
             return codes()
 
+    def quantized(names: list[str]) -> bool:  # quantize_rows_k or a held-row twin (fp8.py)
+        return any(n.startswith("quantize_rows") for n in names)
+
     launched = record_launches(cb, monkeypatch)
     want = []
     for lens in m.lengths:
         m.set_lens(lens)
         launched.clear()
         want.append(eager(False))
-        assert "attention_combine_k" in launched and "quantize_rows_k" in launched, launched
+        assert "attention_combine_k" in launched and quantized(launched), launched
         launched.clear()
         got = eager(True)
         if switch == "attn_self_combine":
             assert len(launched) == 1 and launched[0].endswith(SELF_MERGE_SUFFIX), launched
         else:
-            assert launched[-1] == "attention_combine_quant_k" and "quantize_rows_k" not in launched, launched
+            assert launched[-1] == "attention_combine_quant_k" and not quantized(launched), launched
         for g, w in zip(got, want[-1], strict=True):
             np.testing.assert_array_equal(g, w)
         assert not m.counters().any()

@@ -271,13 +271,58 @@ def test_gate_up_of_decode_sized_steps_gets_its_scales_in_silu_mul(cb, rows, lim
         a = cb.mlp_act_fp8(cb.from_host(r, "act"), cb.from_host(norm_w, "act"), 1e-6, None, weight)
         q, s = host_activation(cb, a)
     unit = 16 < rows <= limit
-    scaled, plain = "silu_mul_quant_scaled_k" in launched, "silu_mul_quant_k" in launched
+    # the generic kernels or their held-row twins (fp8.py)
+    scaled = any(n.startswith("silu_mul_quant_scaled") for n in launched)
+    plain = any(n == "silu_mul_quant_k" or n.startswith("silu_mul_quant_held") for n in launched)
     assert scaled == unit and plain != unit, launched
     xq, xs = f8.rms_norm_quantize(r, norm_w, 1e-6, None)
     want_q, want_s = f8.silu_mul_quantize(bf16(f8.scaled_gemm(xq, xs, wq, ws)), None)
     got = q.astype(np.float32) * s
     want = want_q.astype(np.float32) * want_s
     assert rel_err(got, want) < 0.07  # e4m3 codes (1/16 a step) of bf16 sums scaled in another order
+
+
+# Widths that take each held-row kernel (norms: 1, 2 and 4 chunks a thread, 4104 the 4-chunk kernel
+# with a partial last chunk; SiLU-mul: 2, 4, 6 and 8) and one past them (the generic kernel either way).
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_held_row_kernels_give_the_generic_kernels_bits(cb, rows, monkeypatch):
+    """fp8_held_rows (VT_FP8_HELD_ROWS) routes per-token rows through fp8.cu's held-row kernels: the
+    input norm (alone and adding o_proj's pending product), the attention output's quantization,
+    SiLU-mul and the scaled SiLU-mul of a unit-scale gate_up. Codes, scales and the residual rows
+    are the generic kernels' bits, and the held kernels are the ones that ran."""
+    from vt.kernels.quantized import PendingResidual
+
+    def run(held: bool) -> list[np.ndarray]:
+        monkeypatch.setattr(cb, "fp8_held_rows", held)
+        launched = record_launches(cb, monkeypatch)
+        out = []
+        with cb.slot(0):
+            for k in (1024, 4096, 4104, 8192, 8200):
+                g = np.random.default_rng(k + rows)
+                x = bf16(g.standard_normal((rows, k)) * g.uniform(0.01, 100, (rows, 1)))
+                w = cb.from_host(bf16(g.uniform(0.2, 2.0, k)), "act")
+                out += host_activation(cb, cb.rms_norm_quant(cb.from_host(x, "act"), w, 1e-6, None))
+                out += host_activation(cb, cb.quantize_fp8(cb.from_host(x, "act"), None))
+                r = cb.from_host(x, "act")
+                pending = PendingResidual(cb.from_host(bf16(g.standard_normal((rows, k)) * 2000), "act"),
+                                          cb.from_host(g.uniform(1e-3, 1e-1, rows).astype(np.float32), "f32"),
+                                          cb.from_host(g.uniform(1e-4, 1e-2, k).astype(np.float32), "f32"))
+                out += host_activation(cb, cb.rms_norm_quant(r, w, 1e-6, None, pending))
+                out.append(cb.to_host(r))
+            for inter in (384, 3072, 4104, 12288, 14336, 16392):
+                g = np.random.default_rng(inter + rows)
+                x = bf16(g.standard_normal((rows, 2 * inter)) * 3)
+                out += host_activation(cb, cb.silu_mul_quant(cb.from_host(x, "act"), None))
+        held_names = [n for n in launched if "_held" in n]
+        assert bool(held_names) == held, launched
+        if held:  # the widths past every held kernel took the generic ones
+            assert {"rms_norm_quant_k", "silu_mul_quant_k", "quantize_rows_k"} <= set(launched), launched
+        return out
+
+    got, want = run(True), run(False)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 @pytest.mark.parametrize(("rows", "fold"), [(17, True), (64, True), (256, True), (64, False), (8, True),
@@ -308,7 +353,7 @@ def test_o_proj_product_is_added_by_the_post_attention_norm(cb, rows, fold, monk
         one_q, one_s = cb.to_host(one.q), cb.to_host(one.scale)
     folded = fold and 16 < rows <= 256
     assert (pending is not None) == folded
-    assert ("add_scaled_rms_norm_quant_k" in launched) == folded, launched
+    assert any(n.startswith("add_scaled_rms_norm_quant") for n in launched) == folded, launched
     assert "add_scaled_rows_k" not in launched or not folded, launched
     np.testing.assert_array_equal(cb.to_host(one_r), cb.to_host(two_r))
     np.testing.assert_array_equal(one_q, two_q)

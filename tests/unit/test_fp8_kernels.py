@@ -39,6 +39,19 @@ _KERNELS = {
                                     "r, y, xs, ws, w, eps, q, scale, k",
                                     [_P, _P, _P, _P, _P, _F, _P, _P, _I]),
 }
+_NORM_CHUNKS, _SILU_CHUNKS = (1, 2, 4), (2, 4, 6, 8)  # fp8.py's HELD_NORM_CHUNKS, HELD_SILU_CHUNKS
+for _c in _NORM_CHUNKS:
+    _KERNELS[f"rms_norm_quant_held{_c}_k"] = (
+        "const bf16_t* x, const bf16_t* w, float eps, unsigned char* q, float* scale, int k",
+        "x, w, eps, q, scale, k", [_P, _P, _F, _P, _P, _I])
+    _KERNELS[f"add_scaled_rms_norm_quant_held{_c}_k"] = _KERNELS["add_scaled_rms_norm_quant_k"]
+    _KERNELS[f"quantize_rows_held{_c}_k"] = (
+        "const bf16_t* x, long long ld, unsigned char* q, float* scale, int k", "x, ld, q, scale, k",
+        [_P, _LL, _P, _P, _I])
+for _c in _SILU_CHUNKS:
+    _KERNELS[f"silu_mul_quant_held{_c}_k"] = ("const bf16_t* x, unsigned char* q, float* scale, int inter",
+                                              "x, q, scale, inter", [_P, _P, _P, _I])
+    _KERNELS[f"silu_mul_quant_scaled_held{_c}_k"] = _KERNELS["silu_mul_quant_scaled_k"]
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -257,3 +270,102 @@ def test_add_scaled_rms_norm_quant_is_the_add_then_the_norm(lib, rows, k):
     np.testing.assert_array_equal(q_one, q_two)
     np.testing.assert_array_equal(s_one, s_two)
     assert not np.array_equal(r_one, _bits(r))  # the product was added
+
+
+# ---- the held-row kernels: the generic kernels' bits from one read of the row --------------------
+
+def _p(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _held_counts(width: int, counts: tuple[int, ...]) -> list[int]:
+    """Every instantiated chunk count whose kernel takes rows of `width` (fp8.held_chunks picks the
+    smallest; the larger ones must give the same bits with chunks past the row idle)."""
+    return [c for c in counts if c * 256 * 8 >= width]
+
+
+@pytest.mark.parametrize("k", [64, 8 * 50, 2048, 2048 + 8, 4096, 4096 + 64, 8192])
+def test_held_norm_and_quantize_kernels_give_the_generic_kernels_bits(lib, k):
+    rows = 3
+    rng = np.random.default_rng(k + 7)
+    x = _bf16(rng.standard_normal((rows, k)) * rng.uniform(0.01, 100, (rows, 1)))
+    x[0, :] = 0.0  # a zero row: the amax floor
+    x[-1, 3] = _bf16(np.float32(3e38))  # saturation
+    w = _bf16(rng.uniform(0.2, 2.0, k))
+    y = _bf16(rng.standard_normal((rows, k)) * 2000)
+    xs = rng.uniform(1e-3, 1e-1, rows).astype(np.float32)
+    ws = rng.uniform(1e-4, 1e-2, k).astype(np.float32)
+    xb, wb, yb = _bits(x), _bits(w), _bits(y)
+    ld = k + 16
+    strided = np.zeros((rows, ld), np.uint16)
+    strided[:, :k] = xb
+    grid = (rows, 1, 1, 256, 0)
+
+    def norm(name, *tail):
+        q, s, _ = _outputs(rows, k, None)
+        assert getattr(lib, name)(*grid, _p(xb), _p(wb), 1e-6, _p(q), _p(s), k, *tail) == 0
+        return q, s
+
+    def quantize(name, *tail):
+        q, s, _ = _outputs(rows, k, None)
+        assert getattr(lib, name)(*grid, _p(strided), ld, _p(q), _p(s), k, *tail) == 0
+        return q, s
+
+    def add_norm(name):
+        r, (q, s, _) = xb.copy(), _outputs(rows, k, None)
+        assert getattr(lib, name)(*grid, _p(r), _p(yb), _p(xs), _p(ws), _p(wb), 1e-6, _p(q), _p(s), k) == 0
+        return r, q, s
+
+    want_norm = norm("sim_rms_norm_quant_k", 0, rows)
+    want_quantize = quantize("sim_quantize_rows_k", 0, rows)
+    want_add_norm = add_norm("sim_add_scaled_rms_norm_quant_k")
+    counts = _held_counts(k, _NORM_CHUNKS)
+    assert counts, "no held kernel takes this width"
+    for c in counts:
+        for got, want in [(norm(f"sim_rms_norm_quant_held{c}_k"), want_norm),
+                          (quantize(f"sim_quantize_rows_held{c}_k"), want_quantize),
+                          (add_norm(f"sim_add_scaled_rms_norm_quant_held{c}_k"), want_add_norm)]:
+            for g, w_ in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w_)
+    np.testing.assert_array_equal(want_quantize[0], f8.quantize(x, None)[0].view(np.uint8))
+
+
+@pytest.mark.parametrize("inter", [8 * 50, 4096, 4096 + 8, 8192, 12288, 12288 + 64, 16384])
+def test_held_silu_mul_kernels_give_the_generic_kernels_bits(lib, inter):
+    rows = 2
+    rng = np.random.default_rng(inter)
+    x = _bf16(rng.standard_normal((rows, 2 * inter)) * 3)
+    x[0, :] = 0.0
+    y = _bf16(rng.standard_normal((rows, 2 * inter)) * 2000)
+    xs = rng.uniform(1e-3, 1e-1, rows).astype(np.float32)
+    ws = (rng.uniform(1e-4, 1e-2, 2 * inter) * np.linspace(1, 3, 2 * inter)).astype(np.float32)
+    xb, yb = _bits(x), _bits(y)
+    grid = (rows, 1, 1, 256, 0)
+
+    def silu(name, *tail):
+        q, s, _ = _outputs(rows, inter, None)
+        assert getattr(lib, name)(*grid, _p(xb), _p(q), _p(s), inter, *tail) == 0
+        return q, s
+
+    def scaled(name):
+        q, s, _ = _outputs(rows, inter, None)
+        assert getattr(lib, name)(*grid, _p(yb), _p(xs), _p(ws), _p(q), _p(s), inter) == 0
+        return q, s
+
+    want_silu, want_scaled = silu("sim_silu_mul_quant_k", 0, rows), scaled("sim_silu_mul_quant_scaled_k")
+    for c in _held_counts(inter, _SILU_CHUNKS):
+        for got, want in [(silu(f"sim_silu_mul_quant_held{c}_k"), want_silu),
+                          (scaled(f"sim_silu_mul_quant_scaled_held{c}_k"), want_scaled)]:
+            for g, w_ in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w_)
+    assert np.all(want_silu[0][0] == 0) and not np.all(want_silu[0][1] == 0)
+
+
+def test_held_chunks_picks_the_smallest_kernel_that_holds_the_row():
+    from vt.kernels.quantized import HELD_NORM_CHUNKS, HELD_SILU_CHUNKS, held_chunks
+
+    assert (HELD_NORM_CHUNKS, HELD_SILU_CHUNKS) == (_NORM_CHUNKS, _SILU_CHUNKS)
+    norms = [held_chunks(w, HELD_NORM_CHUNKS) for w in (8, 2048, 2056, 4096, 6144, 8192, 8200)]
+    assert norms == [1, 1, 2, 2, 4, 4, 0]
+    silus = [held_chunks(w, HELD_SILU_CHUNKS) for w in (400, 9728, 12288, 14336, 16384, 16392)]
+    assert silus == [2, 6, 6, 8, 8, 0]

@@ -25,7 +25,8 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     post-attention norm (fp8.linear_fp8_residual);
     VT_FP8_UNIT_GATE_UP_ROWS and VT_FP8_UNIT_QKV_ROWS the most rows whose gate_up (fp8.mlp_act_fp8)
     and qkv (fp8.linear_fp8_defer) take cuBLASLt's per-tensor kernel with unit scales (0: none);
-    VT_GEMV_PREFETCH=1 the fp8 GEMVs of 1-8 tokens that request their weights up front (gemm.py)."""
+    VT_GEMV_PREFETCH=1 the fp8 GEMVs of 1-8 tokens that request their weights up front (gemm.py);
+    VT_FP8_HELD_ROWS=0 the generic per-token quantizing kernels in place of the held-row ones (fp8.py)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
                  partials_bytes: int = 64 << 20, prefill_tiling: str | None = None,
@@ -34,6 +35,7 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
         self.gemv_max_tokens = requested_gemv_max_tokens(gemv_max_tokens)
         self.fp8_per_tensor_rows = requested_fp8_per_tensor_rows(fp8_per_tensor_rows)
         self.fp8_fold_add = requested_switch("VT_FP8_FOLD_ADD")
+        self.fp8_held_rows = requested_switch("VT_FP8_HELD_ROWS")
         self.fp8_unit_gate_up_rows = requested_count(None, "VT_FP8_UNIT_GATE_UP_ROWS", UNIT_SCALE_MAX_ROWS,
                                                      UNIT_ROWS_LIMIT)
         self.fp8_unit_qkv_rows = requested_count(None, "VT_FP8_UNIT_QKV_ROWS", UNIT_SCALE_MAX_ROWS,

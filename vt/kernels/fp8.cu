@@ -59,27 +59,26 @@ struct ScaledSiluSource {
     }
 };
 
-// Chunks of 8 a thread keeps in registers between a row's amax and its quantization: rows of up to
-// FP8_THREADS * 8 * FP8_ROW_CHUNKS values (16384) are read once, all of a thread's loads issued
-// before their values are needed. Only SiLU-mul holds its rows (HOLD): down_proj's 12288-wide input
-// of an 8000-token prompt step went from 10.5 to 7.9 ms on an H100, while the 4096-wide norm and
-// attention-output rows ran slower held (3.3 -> 5.8 and ~1.5 -> 2.7 ms: the 96 registers a thread
-// cut the blocks an SM from eight to two, and a 4096-wide row has only two chunks a thread to
-// overlap), so those kernels keep the loop and its occupancy.
+// Chunks of 8 a thread keeps in registers between a row's amax and its quantization. The generic
+// kernels (any width, group 128) hold up to FP8_ROW_CHUNKS (SiLU-mul's HOLD) or read the row again;
+// the _held<CH> kernels below hold exactly CH chunks, CH = ceil(width / (FP8_THREADS * 8)) rounded
+// up to an instantiated count (fp8.py: held_chunks), so their registers fit the row they take.
 #define FP8_ROW_CHUNKS 8
 
-// A row quantized from registers: per-token scales (group 0) and at most FP8_ROW_CHUNKS chunks a thread.
+// A row quantized from registers by the generic kernels: per-token scales (group 0) and at most
+// FP8_ROW_CHUNKS chunks a thread.
 __device__ __forceinline__ bool row_held(int group, int k) {
     return group == 0 && k <= FP8_THREADS * 8 * FP8_ROW_CHUNKS;
 }
 
 // The row's values held in registers (chunk i of this thread at column (threadIdx.x + i *
 // FP8_THREADS) * 8): its amax, codes and scale.
-__device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __restrict__ q,
-                              float* __restrict__ scale, int row, int k, float* scratch) {
+template <int CH>
+__device__ __forceinline__ void quantize_held(float (&f)[CH][8], unsigned char* __restrict__ q,
+                                              float* __restrict__ scale, int row, int k, float* scratch) {
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+    for (int i = 0; i < CH; ++i) {
         if ((threadIdx.x + i * FP8_THREADS) * 8 < k) {
             for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[i][e]));
         }
@@ -87,11 +86,25 @@ __device__ void quantize_held(float (&f)[FP8_ROW_CHUNKS][8], unsigned char* __re
     amax = fmaxf(block_max(amax, scratch), FP8_AMAX_FLOOR);
     const float inv = FP8_MAX / amax;
 #pragma unroll
-    for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
+    for (int i = 0; i < CH; ++i) {
         const int c = (threadIdx.x + i * FP8_THREADS) * 8;
         if (c < k) store8_e4m3(q + c, f[i], inv);
     }
     if (threadIdx.x == 0) scale[row] = amax / FP8_MAX;
+}
+
+// A source's row of width k <= CH * FP8_THREADS * 8 read once into registers, then quantized
+// per token: the generic kernels' codes and scale, bit for bit.
+template <int CH, class Source>
+__device__ __forceinline__ void quantize_row_held(const Source& src, unsigned char* __restrict__ q,
+                                                  float* __restrict__ scale, int row, int k, float* scratch) {
+    float f[CH][8];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+        if (c < k) src.load(c, f[i]);
+    }
+    quantize_held<CH>(f, q, scale, row, k, scratch);
 }
 
 // One block a row of width k: amax, then the quantized row (HOLD: held in registers where it fits;
@@ -100,13 +113,7 @@ template <bool HOLD, class Source = RowSource>
 __device__ void quantize_row(const Source& src, unsigned char* __restrict__ q, float* __restrict__ scale,
                              int row, int k, int group, int scale_ld, float* scratch) {
     if (HOLD && row_held(group, k)) {
-        float f[FP8_ROW_CHUNKS][8];
-#pragma unroll
-        for (int i = 0; i < FP8_ROW_CHUNKS; ++i) {
-            const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-            if (c < k) src.load(c, f[i]);
-        }
-        quantize_held(f, q, scale, row, k, scratch);
+        quantize_row_held<FP8_ROW_CHUNKS>(src, q, scale, row, k, scratch);
         return;
     }
     if (group == 0) {
@@ -252,3 +259,146 @@ extern "C" __global__ void add_scaled_rms_norm_quant_k(bf16_t* r, const bf16_t* 
     const RowSource src{rr, nullptr, weight, row_inv_rms(rr, k, eps, scratch)};
     quantize_row<false>(src, q + (size_t)row * k, scale, row, k, 0, 0, scratch);
 }
+
+// ---- held-row kernels: the per-token kernels above for rows of at most CH * FP8_THREADS * 8 values,
+// each row read once into registers (CH chunks of 8 a thread) and quantized from there. The same
+// codes and scales, bit for bit: the sums of squares in row_inv_rms' order, the values as RowSource
+// and ScaledSiluSource make them. fp8.py launches them where held_chunks finds a CH; the generic
+// kernels above take group 128 and wider rows. One read instead of two or three (an input norm read
+// its row for the sum of squares, the amax and the codes) shortens a decode step's chain of
+// dependent loads; registers sized to the row keep the prompt steps' blocks an SM.
+
+// x * rsqrt(mean(x^2) + eps) * weight of one row, held: x is loaded with its weight before the
+// sum of squares' reduction.
+template <int CH>
+__device__ __forceinline__ void rms_norm_held(float (&f)[CH][8], float ss, const uint4 (&wr)[CH], float eps, int k,
+                                              float* scratch) {
+    const float s = rsqrtf(block_sum(ss, scratch) / (float)k + eps);
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        if ((threadIdx.x + i * FP8_THREADS) * 8 < k) {
+            const float w[8] = {lo_f(wr[i].x), hi_f(wr[i].x), lo_f(wr[i].y), hi_f(wr[i].y),
+                                lo_f(wr[i].z), hi_f(wr[i].z), lo_f(wr[i].w), hi_f(wr[i].w)};
+            for (int e = 0; e < 8; ++e) f[i][e] = f[i][e] * s * w[e];
+        }
+    }
+}
+
+template <int CH>
+__device__ __forceinline__ void rms_norm_quant_held_body(const bf16_t* __restrict__ x,
+                                                         const bf16_t* __restrict__ weight, float eps,
+                                                         unsigned char* __restrict__ q, float* __restrict__ scale,
+                                                         int k) {
+    grid_dependents_go();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    const bf16_t* xr = x + (size_t)row * k;
+    float f[CH][8];
+    uint4 wr[CH];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+        if (c < k) {
+            load8(xr + c, f[i]);
+            wr[i] = *reinterpret_cast<const uint4*>(weight + c);
+            for (int e = 0; e < 8; ++e) ss += f[i][e] * f[i][e];
+        }
+    }
+    rms_norm_held<CH>(f, ss, wr, eps, k, scratch);
+    quantize_held<CH>(f, q + (size_t)row * k, scale, row, k, scratch);
+}
+
+// add_scaled_rms_norm_quant_k held: the sum is stored rounded to bf16, and the rounded values are
+// what the norm reads (as that kernel reads them back).
+template <int CH>
+__device__ __forceinline__ void add_scaled_rms_norm_quant_held_body(
+    bf16_t* __restrict__ r, const bf16_t* __restrict__ y, const float* __restrict__ x_scale,
+    const float* __restrict__ w_scale, const bf16_t* __restrict__ weight, float eps, unsigned char* __restrict__ q,
+    float* __restrict__ scale, int k) {
+    grid_dependents_go();
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    bf16_t* rr = r + (size_t)row * k;
+    const bf16_t* yr = y + (size_t)row * k;
+    const float xs = x_scale[row];
+    float f[CH][8];
+    uint4 wr[CH];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+        if (c < k) {
+            float b[8], ws[8];
+            load8(rr + c, f[i]);
+            load8(yr + c, b);
+            load8_f32(w_scale + c, ws);
+            wr[i] = *reinterpret_cast<const uint4*>(weight + c);
+            for (int e = 0; e < 8; ++e) f[i][e] = __fmaf_rn(b[e], xs * ws[e], f[i][e]);
+            store8(rr + c, f[i]);
+            for (int e = 0; e < 8; ++e) {
+                f[i][e] = bf2f(f2bf(f[i][e]));
+                ss += f[i][e] * f[i][e];
+            }
+        }
+    }
+    rms_norm_held<CH>(f, ss, wr, eps, k, scratch);
+    quantize_held<CH>(f, q + (size_t)row * k, scale, row, k, scratch);
+}
+
+// FP8_HELD_NORMS(CH, MIN_BLOCKS): rms_norm_quant_k, add_scaled_rms_norm_quant_k and quantize_rows_k
+// (group 0) for rows of at most CH chunks a thread. Grid: rows. The norm and the quantization run
+// at MIN_BLOCKS blocks an SM (no spills): a prompt step's 4096-wide rows lost half their speed
+// when held at two blocks an SM (bench/RESULTS.md); the add (17-256 rows) keeps its registers.
+#define FP8_HELD_NORMS(CH, MIN_BLOCKS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) rms_norm_quant_held##CH##_k(     \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ weight, float eps,                         \
+        unsigned char* __restrict__ q, float* __restrict__ scale, int k) {                                  \
+        rms_norm_quant_held_body<CH>(x, weight, eps, q, scale, k);                                           \
+    }                                                                                                        \
+    extern "C" __global__ void add_scaled_rms_norm_quant_held##CH##_k(                                       \
+        bf16_t* __restrict__ r, const bf16_t* __restrict__ y, const float* __restrict__ x_scale,             \
+        const float* __restrict__ w_scale, const bf16_t* __restrict__ weight, float eps,                     \
+        unsigned char* __restrict__ q, float* __restrict__ scale, int k) {                                   \
+        add_scaled_rms_norm_quant_held_body<CH>(r, y, x_scale, w_scale, weight, eps, q, scale, k);           \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) quantize_rows_held##CH##_k(      \
+        const bf16_t* __restrict__ x, long long ld, unsigned char* __restrict__ q, float* __restrict__ scale, \
+        int k) {                                                                                             \
+        grid_dependents_go();                                                                                \
+        __shared__ float scratch[32];                                                                        \
+        const int row = blockIdx.x;                                                                          \
+        const RowSource src{x + (size_t)row * ld, nullptr, nullptr, 1.f};                                    \
+        quantize_row_held<CH>(src, q + (size_t)row * k, scale, row, k, scratch);                             \
+    }
+FP8_HELD_NORMS(1, 8)
+FP8_HELD_NORMS(2, 6)
+FP8_HELD_NORMS(4, 3)
+
+// FP8_HELD_SILU(CH, MIN_BLOCKS): silu_mul_quant_k and silu_mul_quant_scaled_k (group 0) for an
+// intermediate size of at most CH chunks a thread, at MIN_BLOCKS blocks an SM (the register bound
+// that keeps a prompt step's rows streaming: the generic kernel's 96 registers allowed two).
+#define FP8_HELD_SILU(CH, MIN_BLOCKS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) silu_mul_quant_held##CH##_k(      \
+        const bf16_t* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ scale, int inter) { \
+        grid_dependents_go();                                                                                \
+        __shared__ float scratch[32];                                                                        \
+        const int row = blockIdx.x;                                                                          \
+        const bf16_t* xr = x + (size_t)row * 2 * inter;                                                      \
+        const RowSource src{xr, xr + inter, nullptr, 1.f};                                                   \
+        quantize_row_held<CH>(src, q + (size_t)row * inter, scale, row, inter, scratch);                     \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) silu_mul_quant_scaled_held##CH##_k( \
+        const bf16_t* __restrict__ y, const float* __restrict__ xs, const float* __restrict__ ws,             \
+        unsigned char* __restrict__ q, float* __restrict__ scale, int inter) {                               \
+        grid_dependents_go();                                                                                \
+        __shared__ float scratch[32];                                                                        \
+        const int row = blockIdx.x;                                                                          \
+        const bf16_t* yr = y + (size_t)row * 2 * inter;                                                      \
+        const ScaledSiluSource src{yr, yr + inter, ws, ws + inter, xs[row]};                                 \
+        quantize_row_held<CH>(src, q + (size_t)row * inter, scale, row, inter, scratch);                     \
+    }
+FP8_HELD_SILU(2, 4)
+FP8_HELD_SILU(4, 4)
+FP8_HELD_SILU(6, 3)
+FP8_HELD_SILU(8, 2)

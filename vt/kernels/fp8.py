@@ -16,17 +16,24 @@ from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
 from vt.kernels.gemm import GEMV_PF_CHUNKS, launch_gemv
 from vt.kernels.quantized import (
+    HELD_NORM_CHUNKS,
+    HELD_SILU_CHUNKS,
     UNIT_SCALE_MAX_ROWS,
     Fp8Activation,
     Fp8Weight,
     PendingResidual,
     PendingScales,
     gemm_rows,
+    held_chunks,
     unit_scale_rows,
 )
 
 KERNELS = {"fp8.cu": ("quantize_rows_k", "rms_norm_quant_k", "silu_mul_quant_k", "silu_mul_quant_scaled_k",
-                      "add_rows_k", "add_scaled_rows_k", "add_scaled_rms_norm_quant_k")}
+                      "add_rows_k", "add_scaled_rows_k", "add_scaled_rms_norm_quant_k",
+                      *(f"{kind}_held{c}_k" for c in HELD_NORM_CHUNKS
+                        for kind in ("rms_norm_quant", "add_scaled_rms_norm_quant", "quantize_rows")),
+                      *(f"{kind}_held{c}_k" for c in HELD_SILU_CHUNKS
+                        for kind in ("silu_mul_quant", "silu_mul_quant_scaled")))}
 _THREADS = 256  # FP8_THREADS in fp8.cu
 _i32, _f32 = np.int32, np.float32
 
@@ -54,6 +61,11 @@ class Fp8Ops(CudaCore):
     fp8_unit_qkv_rows: int = UNIT_SCALE_MAX_ROWS
     fp8_fold_add: bool = True
     fp8_unit_gate_up_rows: int = UNIT_SCALE_MAX_ROWS
+    fp8_held_rows: bool = True  # per-token rows through the held-row kernels where one fits
+
+    def _held(self, group: int | None, width: int, counts: tuple[int, ...]) -> int:
+        """The held-row kernel's chunk count for per-token rows of `width`, 0 for the generic kernel."""
+        return held_chunks(width, counts) if group is None and self.fp8_held_rows else 0
 
     def _lt(self) -> CublasLtFp8:
         # Made at the first fp8 weight (setup, outside any capture): bf16 models never load it.
@@ -114,8 +126,12 @@ class Fp8Ops(CudaCore):
         code = self._group_code(group, k)
         a = self._activation(t, k, group)
         if t:
-            args = (x, np.int64(x.strides[0] // 2), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0]))
-            self._launch("quantize_rows_k", (t,), (_THREADS,), args)
+            ld = np.int64(x.strides[0] // 2)
+            if held := self._held(group, k, HELD_NORM_CHUNKS):
+                self._launch(f"quantize_rows_held{held}_k", (t,), (_THREADS,), (x, ld, a.q, a.scale, _i32(k)))
+            else:
+                args = (x, ld, a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0]))
+                self._launch("quantize_rows_k", (t,), (_THREADS,), args)
         return a
 
     def rms_norm_quant(self, x: cupy.ndarray, weight: cupy.ndarray, eps: float,
@@ -138,11 +154,17 @@ class Fp8Ops(CudaCore):
             if t:
                 args = (x, pending.product, pending.x_scale, pending.w_scale, weight, _f32(eps), a.q, a.scale,
                         _i32(k))
-                self._launch("add_scaled_rms_norm_quant_k", (t,), (_THREADS,), args)
+                held = self._held(group, k, HELD_NORM_CHUNKS)
+                name = f"add_scaled_rms_norm_quant_held{held}_k" if held else "add_scaled_rms_norm_quant_k"
+                self._launch(name, (t,), (_THREADS,), args)
             return a
         if t:
-            self._launch("rms_norm_quant_k", (t,), (_THREADS,),
-                         (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0])))
+            if held := self._held(group, k, HELD_NORM_CHUNKS):
+                self._launch(f"rms_norm_quant_held{held}_k", (t,), (_THREADS,),
+                             (x, weight, _f32(eps), a.q, a.scale, _i32(k)))
+            else:
+                self._launch("rms_norm_quant_k", (t,), (_THREADS,),
+                             (x, weight, _f32(eps), a.q, a.scale, _i32(k), _i32(code), _i32(a.q.shape[0])))
         return a
 
     def silu_mul_quant(self, x: cupy.ndarray, group: int | None) -> Fp8Activation:
@@ -154,8 +176,12 @@ class Fp8Ops(CudaCore):
         code = self._group_code(group, inter)
         a = self._activation(t, inter, group)
         if t:
-            args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(a.q.shape[0]))
-            self._launch("silu_mul_quant_k", (t,), (_THREADS,), args)
+            if held := self._held(group, inter, HELD_SILU_CHUNKS):
+                args = (x, a.q, a.scale, _i32(inter))
+                self._launch(f"silu_mul_quant_held{held}_k", (t,), (_THREADS,), args)
+            else:
+                args = (x, a.q, a.scale, _i32(inter), _i32(code), _i32(a.q.shape[0]))
+                self._launch("silu_mul_quant_k", (t,), (_THREADS,), args)
         return a
 
     # ---- GEMMs ------------------------------------------------------------------------------
@@ -199,7 +225,9 @@ class Fp8Ops(CudaCore):
         inter = n // 2
         a = self._activation(t, inter, group)
         args = (y, x.scale, w.scale, a.q, a.scale, _i32(inter))
-        self._launch("silu_mul_quant_scaled_k", (t,), (_THREADS,), args)
+        held = self._held(group, inter, HELD_SILU_CHUNKS)
+        name = f"silu_mul_quant_scaled_held{held}_k" if held else "silu_mul_quant_scaled_k"
+        self._launch(name, (t,), (_THREADS,), args)
         return a
 
     def linear_fp8_residual(self, x: Fp8Activation, w: Fp8Weight, residual: cupy.ndarray,

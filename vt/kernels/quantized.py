@@ -80,3 +80,16 @@ def unit_scale_rows(rows: int, group: int | None) -> bool:
     """Whether a residual projection of `rows` per-token-scaled rows runs with unit scales and
     lands in a product buffer of its own (so the memory plan and the numpy ledger count one)."""
     return group is None and GEMV_TOKENS < rows <= UNIT_SCALE_MAX_ROWS
+
+
+# Chunks of 8 values a thread of 256 that fp8.cu's held-row kernels are instantiated for
+# (FP8_HELD_NORMS, FP8_HELD_SILU): the input norms and the attention output's quantization, SiLU-mul.
+HELD_NORM_CHUNKS = (1, 2, 4)
+HELD_SILU_CHUNKS = (2, 4, 6, 8)
+
+
+def held_chunks(width: int, counts: tuple[int, ...]) -> int:
+    """The chunk count of the held-row kernel that takes per-token rows of `width` values (the
+    smallest of `counts` whose 256 threads x count x 8 values cover the row), 0 where none does."""
+    need = -(-width // (256 * 8))
+    return next((c for c in counts if c >= need), 0)
