@@ -236,7 +236,8 @@ for s in $steps; do
           IFS=: read -r nb ctx pf <<< "$shape"
           env $(arm_env $arm) timeout 150 python3 -m bench.step.step_profile --preset 8b --batch "$nb" --context "$ctx" \
             --prefill "$pf" --quantization fp8 --max-model-len 16384 2>&1 \
-            | grep -E "kernels per step|quant|silu|qk_norm|^depth 2" | sed "s|^|$arm b=$nb p=$pf |" \
+            | awk '/kernels per step/ {n = 14} n > 0 {print; n--; next} /quant|silu|qk_norm|^depth 2/' \
+            | sed "s|^|$arm b=$nb p=$pf |" \
             | tee -a "$OUT/held_ab.log"
         done
       done ;;
