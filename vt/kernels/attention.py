@@ -95,7 +95,8 @@ class AttentionOps(CudaCore):
         # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off: slower at 1-8 rows)
         self.attn_self_combine = requested_count(None, "VT_ATTN_SELF_COMBINE", 0, 1) == 1
         # An fp8 projection's per-token codes made by the split merge itself (one launch, not
-        # attention_combine_k and quantize_rows_k), with VT_ATTN_COMBINE_QUANT=1
+        # attention_combine_k and quantize_rows_k), with VT_ATTN_COMBINE_QUANT=1 (off: slower at
+        # batch 1 on the H100, bench/RESULTS.md)
         self.attn_combine_quant = requested_count(None, "VT_ATTN_COMBINE_QUANT", 0, 1) == 1
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))

@@ -34,8 +34,8 @@ def requested_gemv_max_tokens(value: int | None) -> int:
 
 def requested_gemv_prefetch() -> bool:
     """VT_GEMV_PREFETCH=1: fp8 GEMVs of 1-8 tokens request their rows' first GEMV_PF_CHUNKS
-    chunks into shared memory before the dependency wait (gemv.cu's _pf kernel); off by default
-    until measured on a GPU."""
+    chunks into shared memory before the dependency wait (gemv.cu's _pf kernel); off: measured
+    slower on the H100 (batch 1 and 8 decode steps +0.4-0.6 ms, bench/RESULTS.md)."""
     return requested_count(None, "VT_GEMV_PREFETCH", 0, 1) == 1
 
 
