@@ -19,10 +19,9 @@ peer_pair() {
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
 }
 # The environment of a decode-lever arm (levers, lever_rows, held_ab): base (the generic per-token
-# quantizing kernels, VT_FP8_HELD_ROWS=0), off (the defaults), cq, pf or both
+# quantizing kernels, VT_FP8_HELD_ROWS=0), off (the defaults) or cq (the merge writing o_proj's codes)
 arm_env() {
-  case $1 in cq) echo "VT_ATTN_COMBINE_QUANT=1" ;; pf) echo "VT_GEMV_PREFETCH=1" ;;
-    both) echo "VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1" ;; base) echo "VT_FP8_HELD_ROWS=0" ;;
+  case $1 in cq) echo "VT_ATTN_COMBINE_QUANT=1" ;; base) echo "VT_FP8_HELD_ROWS=0" ;;
     *) echo "VT_LEVER_NONE=1" ;; esac
 }
 # A bench script in checkout $1 (this one: .), under a timeout of $2 s, as module $3 (serving.x); the rest
@@ -206,16 +205,16 @@ for s in $steps; do
           done
         done
       done ;;
-    levers)  # two fp8 decode levers, off by default until measured: the split merge writing o_proj's codes
-             # (VT_ATTN_COMBINE_QUANT=1) and the GEMV requesting its weights up front (VT_GEMV_PREFETCH=1). Their
-             # GPU tests, the fp8 and model suites with both on, then 8B fp8 decode steps per arm (LEVER_ARMS,
-             # LEVER_REPS rounds; ~6 min); lever_rows serves the batch-1 and 8000/64 fp8 rows per arm (~4 min)
+    levers)  # fp8 decode levers: the held-row quantizing kernels (the default; base = the generic ones) and the
+             # split merge writing o_proj's codes (VT_ATTN_COMBINE_QUANT=1, off: slower). Their GPU tests, the
+             # fp8 and model suites with cq on, then 8B fp8 decode steps per arm (LEVER_ARMS, LEVER_REPS rounds;
+             # ~5 min); lever_rows serves the batch-1 and 8000/64 fp8 rows per arm (~2 min)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py tests/gpu/test_fp8_cuda.py \
-        -k "writing_its_fp8_codes or prefetching or held_row" 2>&1 | tail -4 | tee "$OUT/levers.log"
-      VT_ATTN_COMBINE_QUANT=1 VT_GEMV_PREFETCH=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        -k "writing_its_fp8_codes or held_row" 2>&1 | tail -4 | tee "$OUT/levers.log"
+      VT_ATTN_COMBINE_QUANT=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_fp8_cuda.py tests/gpu/test_model_cuda.py 2>&1 | tail -4 | tee -a "$OUT/levers.log"
       for rep in $(seq "${LEVER_REPS:-1}"); do
-        for arm in ${LEVER_ARMS:-base off cq pf both}; do
+        for arm in ${LEVER_ARMS:-base off cq}; do
           env $(arm_env $arm) timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
             --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
             | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
@@ -223,7 +222,7 @@ for s in $steps; do
       done ;;
     lever_rows)
       test -d /tmp/q8 || timeout 200 python3 -m vt make-model /tmp/q8 --preset 8b > /tmp/make8.log 2>&1
-      for arm in ${LEVER_ARMS:-off cq pf both}; do
+      for arm in ${LEVER_ARMS:-off base}; do
         env $(arm_env $arm) timeout 150 python3 -m bench.serving.serving_matrix --model /tmp/q8 --label "8b-fp8-$arm" \
           --rows targets --targets 128/256,8000/64 --out "/tmp/lever_$arm" \
           --server-args="--max-num-seqs 256 --max-model-len 16384 --quantization fp8 --max-num-batched-tokens 8192" \

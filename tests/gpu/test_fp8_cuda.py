@@ -109,33 +109,6 @@ def test_fp8_gemm_matches_the_numpy_scaled_gemm(cb, rows, block, shape, monkeypa
     assert rel_err(cb.to_host(acc), residual + want) < GEMM_TOL
 
 
-@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (200, 640)])  # 8B qkv, 8B down (192 chunks)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("block", [False, True])
-def test_the_prefetching_fp8_gemv_gives_the_same_bits(cb, rows, block, shape, monkeypatch):
-    """VT_GEMV_PREFETCH's GEMV (gemv_fp8_8_pf_k: its first 64 chunks requested into shared memory
-    before the dependency wait) gives the plain GEMV's product bit for bit, residual added too."""
-    rng = np.random.default_rng(rows + block)
-    n, k = shape
-    x = bf16(rng.standard_normal((rows, k)))
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
-    weight = cb.upload_fp8(*(f8.quantize_weight_block(w) if block else f8.quantize_weight_channel(w)))
-    xa = cb.quantize_fp8(cb.from_host(x, "act"), 128 if block else None)
-    residual = bf16(rng.standard_normal((rows, n)))
-    launched = record_launches(cb, monkeypatch)
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(cb, "gemv_prefetch", on)
-        launched.clear()
-        acc = cb.from_host(residual, "act")
-        cb.linear_fp8_residual(xa, weight, acc)
-        got[on] = (cb.to_host(cb.linear_fp8(xa, weight, None)), cb.to_host(acc))
-        assert ("gemv_fp8_8_pf_k" in launched) == on, launched
-        assert any(name.startswith("gemv_fp8_8") for name in launched), launched
-    for a, b in zip(got[True], got[False], strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 def test_the_fp8_gemm_held_to_part_of_the_sms_gives_the_same_product(cb):
     """A slot's SM target (split steps) reaches cuBLASLt's fp8 GEMMs too: a plan of its own, whose
     product matches the unheld one's."""

@@ -24,8 +24,7 @@ _FP8 = ("const unsigned char* xq, const float* xs, int xs_ld, const unsigned cha
 _BF16 = ("const bf16_t* x, int ldx, const bf16_t* w, const bf16_t* bias, bf16_t* y, int ldy, int tokens, "
          "int n, int k, int accumulate", "x, ldx, w, bias, y, ldy, tokens, n, k, accumulate",
          [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I])
-_KERNELS = {"gemv_fp8_8_k": _FP8, "gemv_fp8_16_k": _FP8, "gemv_fp8_8_pf_k": _FP8, "gemv_bf16_8_k": _BF16,
-            "gemv_bf16_16_k": _BF16}
+_KERNELS = {"gemv_fp8_8_k": _FP8, "gemv_fp8_16_k": _FP8, "gemv_bf16_8_k": _BF16, "gemv_bf16_16_k": _BF16}
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +39,9 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _launch(lib, kernel: str, tokens: int, n: int, *args, prefetch: int = 0) -> None:
-    """kernel (gemv_fp8, gemv_bf16) for `tokens`; prefetch: the _pf kernel with that many chunks'
-    shared memory (gemm.launch_gemv's)."""
-    name = f"sim_{kernel}_{8 if tokens <= 8 else 16}_{'pf_' if prefetch else ''}k"
-    assert getattr(lib, name)(-(-n // 16), 1, 1, 256, prefetch * 1024, *args) == 0
+def _launch(lib, kernel: str, tokens: int, n: int, *args) -> None:
+    name = f"sim_{kernel}_{8 if tokens <= 8 else 16}_k"
+    assert getattr(lib, name)(-(-n // 16), 1, 1, 256, 0, *args) == 0
 
 
 def _output(rng, tokens: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -70,26 +67,6 @@ SHAPES = [(1, 16, 64), (3, 40, 64 * 37), (8, 32, 512), (13, 48, 256 * 5), (5, 13
 def test_fp8_gemv_matches_the_scaled_gemm(lib, tokens, n, k, block, accumulate):
     if block and k % 128:
         k *= 2
-    y, base, want = _fp8_gemv(lib, tokens, n, k, block, accumulate)
-    _check(y, base, want, n, accumulate)
-
-
-@pytest.mark.parametrize(("tokens", "n", "k"), [
-    (1, 16, 64), (3, 40, 64 * 37), (8, 32, 512), (5, 136, 128 * 9), (2, 24, 64 * 70)])
-@pytest.mark.parametrize("block", [False, True])
-def test_the_prefetching_fp8_gemv_gives_the_same_bits(lib, tokens, n, k, block):
-    """gemv_fp8_8_pf_k (VT_GEMV_PREFETCH=1) reads its first 64 chunks from shared memory and any
-    later ones (70 chunks here) as gemv_fp8_8_k does: the same y, bit for bit, residual added."""
-    if block and k % 128:
-        k *= 2
-    y, base, want = _fp8_gemv(lib, tokens, n, k, block, True)
-    pf, _, _ = _fp8_gemv(lib, tokens, n, k, block, True, prefetch=min(k // 64, 64))
-    _check(pf, base, want, n, True)
-    np.testing.assert_array_equal(pf, y)
-
-
-def _fp8_gemv(lib, tokens: int, n: int, k: int, block: bool, accumulate: bool, prefetch: int = 0):
-    """gemv_fp8 on inputs seeded by the shape: (y bits, y's starting values, numpy's product)."""
     rng = np.random.default_rng(tokens * n + k)
     x = _bf16(rng.standard_normal((tokens, k)) * rng.uniform(0.1, 10, (tokens, 1)))
     w = _bf16(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)))
@@ -110,9 +87,8 @@ def _fp8_gemv(lib, tokens: int, n: int, k: int, block: bool, accumulate: bool, p
     base, y, ldy = _output(rng, tokens, n)
     xq_b, wq_b = xq.view(np.uint8), wq.view(np.uint8)
     _launch(lib, "gemv_fp8", tokens, n, xq_b.ctypes.data, xs_c.ctypes.data, xs_ld, wq_b.ctypes.data,
-            ws_c.ctypes.data, ws_ld, y.ctypes.data, ldy, tokens, n, k, int(block), int(accumulate),
-            prefetch=prefetch)
-    return y, base, want
+            ws_c.ctypes.data, ws_ld, y.ctypes.data, ldy, tokens, n, k, int(block), int(accumulate))
+    _check(y, base, want, n, accumulate)
 
 
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 16, 32), *SHAPES])

@@ -11,7 +11,7 @@ from vt.kernels.attention import AttentionOps, requested_prefill_tiling
 from vt.kernels.cuda_core import requested_count, requested_switch
 from vt.kernels.elementwise import ElementwiseOps
 from vt.kernels.fp8 import UNIT_ROWS_LIMIT, Fp8Ops, requested_fp8_per_tensor_rows
-from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens, requested_gemv_prefetch
+from vt.kernels.gemm import GemmOps, requested_gemv_max_tokens
 from vt.kernels.quantized import UNIT_SCALE_MAX_ROWS
 from vt.kernels.sampling import SamplingOps
 
@@ -25,7 +25,6 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
     post-attention norm (fp8.linear_fp8_residual);
     VT_FP8_UNIT_GATE_UP_ROWS and VT_FP8_UNIT_QKV_ROWS the most rows whose gate_up (fp8.mlp_act_fp8)
     and qkv (fp8.linear_fp8_defer) take cuBLASLt's per-tensor kernel with unit scales (0: none);
-    VT_GEMV_PREFETCH=1 the fp8 GEMVs of 1-8 tokens that request their weights up front (gemm.py);
     VT_FP8_HELD_ROWS=0 the generic per-token quantizing kernels in place of the held-row ones (fp8.py)."""
 
     def __init__(self, workspace_bytes: int = 512 << 20, cublas_workspace_bytes: int = 32 << 20,
@@ -44,6 +43,3 @@ class CudaBackend(ElementwiseOps, AttentionOps, SamplingOps, GemmOps, Fp8Ops):
                    **fp8.KERNELS}
         super().__init__(kernels, workspace_bytes, cublas_workspace_bytes, partials_bytes)
         self._init_attention(requested)
-        self.gemv_prefetch = requested_gemv_prefetch()
-        fn = self._kernels["gemv_fp8_8_pf_k"]  # its 64 KB of dynamic shared memory: past the default 48
-        getattr(fn, "function", fn).max_dynamic_shared_size_bytes = gemm.GEMV_PF_CHUNKS * 1024

@@ -14,7 +14,7 @@ import numpy as np
 
 from vt.kernels.cublas_lt import CublasLtFp8
 from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
-from vt.kernels.gemm import GEMV_PF_CHUNKS, launch_gemv
+from vt.kernels.gemm import launch_gemv
 from vt.kernels.quantized import (
     HELD_NORM_CHUNKS,
     HELD_SILU_CHUNKS,
@@ -325,5 +325,4 @@ class Fp8Ops(CudaCore):
         ws_ld = w.scale.shape[1] if w.block else 0
         args = (x.q, x.scale, _i32(xs_ld), w.q, w.scale, _i32(ws_ld), y, _i32(y.strides[0] // 2),
                 _i32(x.rows), _i32(n), _i32(k), _i32(int(w.block)), _i32(int(accumulate)))
-        prefetch = min(k // 64, GEMV_PF_CHUNKS) if self.gemv_prefetch and x.rows <= 8 else 0
-        launch_gemv(self, "fp8", x.rows, n, args, prefetch)
+        launch_gemv(self, "fp8", x.rows, n, args)

@@ -11,7 +11,7 @@ from vt.kernels.cublas_capture import CublasGemm
 from vt.kernels.cuda_core import CudaCore, check_rows, requested_count
 from vt.kernels.quantized import GEMV_TOKENS
 
-KERNELS = {"gemv.cu": ("gemv_bf16_8_k", "gemv_bf16_16_k", "gemv_fp8_8_k", "gemv_fp8_16_k", "gemv_fp8_8_pf_k")}
+KERNELS = {"gemv.cu": ("gemv_bf16_8_k", "gemv_bf16_16_k", "gemv_fp8_8_k", "gemv_fp8_16_k")}
 # Weights with N >= this * K are stored column-major (gemm_layout).
 COLUMN_MAJOR_MIN_ASPECT = 4
 # gemv.cu: a block's weight rows and threads, and the most tokens it takes (two tiles of 8).
@@ -20,9 +20,6 @@ GEMV_ROWS, GEMV_THREADS, GEMV_TOKENS_LIMIT = 16, 256, GEMV_TOKENS
 # 8B shapes, 2026-12-06): at 1-8 tokens it beats cuBLAS(Lt) on every projection or ties; at 9-16 (the
 # two-tile kernel) it wins on o_proj and down and loses on fp8 qkv and gate_up, about even a layer.
 GEMV_MAX_TOKENS = 16
-# gemv.cu's GEMV_PF_CHUNKS: the 64-column chunks of its rows a _pf block requests up front (1 KB of
-# shared memory each for 16 rows of fp8).
-GEMV_PF_CHUNKS = 64
 _i32 = np.int32
 
 
@@ -32,24 +29,16 @@ def requested_gemv_max_tokens(value: int | None) -> int:
     return requested_count(value, "VT_GEMV_MAX_TOKENS", GEMV_MAX_TOKENS, GEMV_TOKENS_LIMIT)
 
 
-def requested_gemv_prefetch() -> bool:
-    """VT_GEMV_PREFETCH=1: fp8 GEMVs of 1-8 tokens request their rows' first GEMV_PF_CHUNKS
-    chunks into shared memory before the dependency wait (gemv.cu's _pf kernel); off: measured
-    slower on the H100 (batch 1 and 8 decode steps +0.4-0.6 ms, bench/RESULTS.md)."""
-    return requested_count(None, "VT_GEMV_PREFETCH", 0, 1) == 1
-
-
-def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple, prefetch: int = 0) -> None:
+def launch_gemv(ops: CudaCore, kind: str, tokens: int, n: int, args: tuple) -> None:
     """gemv.cu's `kind` (bf16, fp8) kernel for `tokens` (one tile of 8, or two), a block per 16
     weight rows, launched as a dependent of the kernel that makes x: its first weights stream while
-    that one ends. prefetch (fp8, <= 8 tokens): the _pf kernel holding that many chunks."""
-    name = f"gemv_{kind}_{8 if tokens <= 8 else 16}_{'pf_' if prefetch else ''}k"
-    ops._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args, shared_mem=prefetch * 1024)
+    that one ends."""
+    name = f"gemv_{kind}_{8 if tokens <= 8 else 16}_k"
+    ops._launch_after(name, (-(-n // GEMV_ROWS),), (GEMV_THREADS,), args)
 
 
 class GemmOps(CudaCore):
     gemv_max_tokens: int = GEMV_MAX_TOKENS
-    gemv_prefetch: bool = False
 
     def linear(self, x: cupy.ndarray, w: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
         if self._bf16_gemv_fits(x, w):

@@ -45,15 +45,7 @@ struct GemvScales {  // fp8 only; all null for bf16
     int block;
 };
 
-// GEMV_PF_CHUNKS (the _pf kernels, VT_GEMV_PREFETCH=1): a block first requests the first this many
-// chunks of its 16 rows into shared memory (cp.async, 64 KB: three blocks an SM), all before the
-// dependency wait, so the whole of an 8B qkv's, o_proj's or gate_up's first wave streams while the
-// kernel before ends, instead of one round a warp; the loop then reads those chunks from shared
-// memory and any later ones (down's) as before. Shared memory: [chunk][row][4] 16-byte units, so a
-// warp's reads of a chunk (lanes g, l4 -> row g, unit l4) are 512 contiguous bytes.
-#define GEMV_PF_CHUNKS 64
-
-template <int TILES, bool FP8, int UNROLL, int PF = 0>
+template <int TILES, bool FP8, int UNROLL>
 __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long long x_row_bytes,
                                      const unsigned char* __restrict__ w, long long w_row_bytes,
                                      GemvScales sc, const bf16_t* __restrict__ bias, bf16_t* __restrict__ y,
@@ -71,48 +63,22 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
     for (int j = 0; j < TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     uint4 a[UNROLL], b[UNROLL];
-    [[maybe_unused]] const uint4* held = nullptr;  // PF: the block's first pf chunks, in shared memory
-    [[maybe_unused]] int pf = 0;
     auto load_weights = [&](int c0) {
         for (int u = 0; u < UNROLL; ++u) {
-            const int c = c0 + u;
-            if constexpr (PF > 0) {
-                if (c < pf) {
-                    a[u] = held[(c * GEMV_ROWS + g) * 4 + l4];
-                    b[u] = held[(c * GEMV_ROWS + g + 8) * 4 + l4];
-                    continue;
-                }
-            }
-            const bool in = c < chunks;
-            a[u] = in ? wa[c * 4] : zero;
-            b[u] = in ? wb[c * 4] : zero;
+            const bool in = c0 + u < chunks;
+            a[u] = in ? wa[(c0 + u) * 4] : zero;
+            b[u] = in ? wb[(c0 + u) * 4] : zero;
         }
     };
     // Launched as a programmatic dependent, the kernel starts while the one before (the norm,
     // SiLU-mul or quantization that makes x) still runs: the weights do not come from it, so the
-    // first round of them (PF: the first pf chunks of every row) streams in before the wait.
+    // first round of them streams in before the wait.
     const int first = warp * UNROLL;
-    if constexpr (PF > 0) {
-        extern __shared__ uint4 weight_chunks[];
-        held = weight_chunks;
-        pf = min(chunks, PF);
-        const int units = pf * 4;  // a row's 16-byte units held
-        for (int i = threadIdx.x; i < GEMV_ROWS * units; i += blockDim.x) {
-            const int r = i / units, u = i % units;
-            cp_async16(weight_chunks + ((u / 4) * GEMV_ROWS + r) * 4 + u % 4,
-                       w + min(n0 + r, n - 1) * w_row_bytes + (long long)u * 16, true);
-        }
-        cp_async_commit();
-    }
     grid_dependents_go();  // the next layer's GEMV (bf16: x is the residual stream) may start too
-    if constexpr (PF == 0) load_weights(first);
+    load_weights(first);
     grid_dependency_wait();
-    if constexpr (PF > 0) {
-        cp_async_wait<0>();
-        __syncthreads();
-    }
     for (int c0 = first; c0 < chunks; c0 += GEMV_WARPS * UNROLL) {
-        if (PF > 0 || c0 != first) load_weights(c0);
+        if (c0 != first) load_weights(c0);
         uint4 xv[TILES][UNROLL];
         for (int u = 0; u < UNROLL; ++u) {
             for (int j = 0; j < TILES; ++j) {
@@ -165,20 +131,16 @@ __device__ __forceinline__ void gemv(const unsigned char* __restrict__ x, long l
 
 // Grid: ceil(n / 16) blocks of 256 threads; *8_k take up to 8 tokens, *16_k up to 16.
 // fp8: xq e4m3 [tokens, k] (row stride k), wq e4m3 [n, k]; k a multiple of 64 (128 with block).
-// PF: the chunks a block requests up front (0: none; _pf: GEMV_PF_CHUNKS, dynamic shared memory
-// min(k / 64, GEMV_PF_CHUNKS) KB).
-#define GEMV_FP8_ENTRY(NAME, TILES, MIN_BLOCKS, PF)                                                        \
+#define GEMV_FP8_ENTRY(NAME, TILES, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS) NAME(                       \
         const unsigned char* __restrict__ xq, const float* __restrict__ xs, int xs_ld,                     \
         const unsigned char* __restrict__ wq, const float* __restrict__ ws, int ws_ld,                     \
         bf16_t* __restrict__ y, int ldy, int tokens, int n, int k, int block, int accumulate) {            \
-        gemv<TILES, true, GEMV_UNROLL_FP8, PF>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block},      \
-                                               nullptr, y, ldy, tokens, n, k / 64, accumulate);            \
+        gemv<TILES, true, GEMV_UNROLL_FP8>(xq, k, wq, k, GemvScales{xs, xs_ld, ws, ws_ld, block}, nullptr, \
+                                           y, ldy, tokens, n, k / 64, accumulate);                         \
     }
-GEMV_FP8_ENTRY(gemv_fp8_8_k, 1, GEMV_MIN_BLOCKS_FP8_8, 0)
-GEMV_FP8_ENTRY(gemv_fp8_16_k, 2, GEMV_MIN_BLOCKS, 0)
-// the one-tile kernel with its first chunks requested up front, three blocks an SM (64 KB each)
-GEMV_FP8_ENTRY(gemv_fp8_8_pf_k, 1, 3, GEMV_PF_CHUNKS)
+GEMV_FP8_ENTRY(gemv_fp8_8_k, 1, GEMV_MIN_BLOCKS_FP8_8)
+GEMV_FP8_ENTRY(gemv_fp8_16_k, 2, GEMV_MIN_BLOCKS)
 
 // bf16: x [tokens, k] (row stride ldx elements, 16-byte aligned rows), w [n, k] row-major; k a
 // multiple of 32; bias [n] or null.
