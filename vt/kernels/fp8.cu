@@ -268,11 +268,25 @@ extern "C" __global__ void add_scaled_rms_norm_quant_k(bf16_t* r, const bf16_t* 
 // its row for the sum of squares, the amax and the codes) shortens a decode step's chain of
 // dependent loads; registers sized to the row keep the prompt steps' blocks an SM.
 
-// x * rsqrt(mean(x^2) + eps) * weight of one row, held: x is loaded with its weight before the
-// sum of squares' reduction.
-template <int CH>
-__device__ __forceinline__ void rms_norm_held(float (&f)[CH][8], float ss, const uint4 (&wr)[CH], float eps, int k,
-                                              float* scratch) {
+// The input norm's codes of one row, held: load(c, v) gives the row's 8 values at column c (as the
+// generic kernel reads them back); each chunk is loaded with its norm weight before the sum of
+// squares' reduction, then x * rsqrt(mean(x^2) + eps) * weight is quantized from registers.
+template <int CH, class Load>
+__device__ __forceinline__ void rms_norm_quant_held(const Load& load, const bf16_t* __restrict__ weight, float eps,
+                                                    unsigned char* __restrict__ q, float* __restrict__ scale,
+                                                    int row, int k, float* scratch) {
+    float f[CH][8];
+    uint4 wr[CH];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
+        if (c < k) {
+            load(c, f[i]);
+            wr[i] = *reinterpret_cast<const uint4*>(weight + c);
+            for (int e = 0; e < 8; ++e) ss += f[i][e] * f[i][e];
+        }
+    }
     const float s = rsqrtf(block_sum(ss, scratch) / (float)k + eps);
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
@@ -282,6 +296,7 @@ __device__ __forceinline__ void rms_norm_held(float (&f)[CH][8], float ss, const
             for (int e = 0; e < 8; ++e) f[i][e] = f[i][e] * s * w[e];
         }
     }
+    quantize_held<CH>(f, q + (size_t)row * k, scale, row, k, scratch);
 }
 
 template <int CH>
@@ -293,20 +308,8 @@ __device__ __forceinline__ void rms_norm_quant_held_body(const bf16_t* __restric
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const bf16_t* xr = x + (size_t)row * k;
-    float f[CH][8];
-    uint4 wr[CH];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-        if (c < k) {
-            load8(xr + c, f[i]);
-            wr[i] = *reinterpret_cast<const uint4*>(weight + c);
-            for (int e = 0; e < 8; ++e) ss += f[i][e] * f[i][e];
-        }
-    }
-    rms_norm_held<CH>(f, ss, wr, eps, k, scratch);
-    quantize_held<CH>(f, q + (size_t)row * k, scale, row, k, scratch);
+    const auto load = [&](int c, float (&v)[8]) { load8(xr + c, v); };
+    rms_norm_quant_held<CH>(load, weight, eps, q, scale, row, k, scratch);
 }
 
 // add_scaled_rms_norm_quant_k held: the sum is stored rounded to bf16, and the rounded values are
@@ -322,28 +325,16 @@ __device__ __forceinline__ void add_scaled_rms_norm_quant_held_body(
     bf16_t* rr = r + (size_t)row * k;
     const bf16_t* yr = y + (size_t)row * k;
     const float xs = x_scale[row];
-    float f[CH][8];
-    uint4 wr[CH];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-        const int c = (threadIdx.x + i * FP8_THREADS) * 8;
-        if (c < k) {
-            float b[8], ws[8];
-            load8(rr + c, f[i]);
-            load8(yr + c, b);
-            load8_f32(w_scale + c, ws);
-            wr[i] = *reinterpret_cast<const uint4*>(weight + c);
-            for (int e = 0; e < 8; ++e) f[i][e] = __fmaf_rn(b[e], xs * ws[e], f[i][e]);
-            store8(rr + c, f[i]);
-            for (int e = 0; e < 8; ++e) {
-                f[i][e] = bf2f(f2bf(f[i][e]));
-                ss += f[i][e] * f[i][e];
-            }
-        }
-    }
-    rms_norm_held<CH>(f, ss, wr, eps, k, scratch);
-    quantize_held<CH>(f, q + (size_t)row * k, scale, row, k, scratch);
+    const auto load = [&](int c, float (&v)[8]) {
+        float b[8], ws[8];
+        load8(rr + c, v);
+        load8(yr + c, b);
+        load8_f32(w_scale + c, ws);
+        for (int e = 0; e < 8; ++e) v[e] = __fmaf_rn(b[e], xs * ws[e], v[e]);
+        store8(rr + c, v);
+        for (int e = 0; e < 8; ++e) v[e] = bf2f(f2bf(v[e]));
+    };
+    rms_norm_quant_held<CH>(load, weight, eps, q, scale, row, k, scratch);
 }
 
 // FP8_HELD_NORMS(CH, MIN_BLOCKS): rms_norm_quant_k, add_scaled_rms_norm_quant_k and quantize_rows_k
