@@ -17,9 +17,10 @@ __device__ __forceinline__ T partial_at(const T* p) {
 
 // Merge the split partials of one output row into out_row: split s's partial is row where(s) of
 // part_o / part_ml (a split that saw no key has m = -inf and weighs nothing). The block's threads
-// share the row's d / 2 pairs (WARP: the calling warp's lanes do, a warp a row). Each pass reads MERGE_BATCH splits' values at once and then folds
-// them in split order: a decode row's 16-60 splits cost a few L2 round trips a pass instead of one
-// a split (which made the merge ~7 us at batch 1), with the arithmetic of a split-at-a-time loop.
+// share the row's d / 2 pairs (WARP: the calling warp's lanes do, a warp a row). Each pass reads
+// MERGE_BATCH splits' values at once and then folds them in split order: a decode row's 16-60
+// splits cost a few L2 round trips a pass instead of one a split (which made the merge ~7 us at
+// batch 1), with the arithmetic of a split-at-a-time loop.
 // A batch may read the partials of a split that saw no key (rows of the launch's scratch, never
 // written): they are never used.
 constexpr int MERGE_BATCH = 8;
