@@ -330,12 +330,23 @@ for s in $steps; do
           done
         done
       done ;;
-    ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling
+    attn_peer)  # prompt attention beside vLLM's FlashAttention-3 on the same paged cases (the peer's bundle
+                # staged in /tmp/vb, ../shared/peer/README.md; installed here if the peer runner has not)
+      test -f /tmp/vb/.installed || { (cd /tmp/vb && SKIP_IMPORT_TEST=1 bash install.sh > "$OUT/vb_install.log" 2>&1) \
+        && touch /tmp/vb/.installed; }
+      (source /tmp/vb/vllm_env.sh; PYTHONPATH="$PWD:/tmp/vsite:/tmp/site" timeout 300 python3 -m bench.kernels.attn_peer \
+        --tiling "${PEER_TILING:-wgwp}" --json "$OUT/attn_peer.json" 2>&1 | grep -vE "^(INFO|WARNING)" | tail -30 \
+        | tee "$OUT/attn_peer.log") ;;
+    ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling (fa3: vLLM's FlashAttention-3,
+               # the peer's bundle installed in /tmp/vsite by attn_peer)
       n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       for t in ${TILINGS:-wgv}; do
-        timeout 240 "$n" --kernel-name regex:attention_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \
-          --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
-          --section LaunchStats --section MemoryWorkloadAnalysis python3 -m bench.kernels.attn_ncu --tiling $t --prompt 8192 \
+        kn=regex:attention_ pp=$PYTHONPATH
+        [ "$t" = fa3 ] && kn=regex:device_kernel pp="$PWD:/tmp/vsite:/tmp/site"
+        (source /tmp/vb/vllm_env.sh 2>/dev/null; PYTHONPATH=$pp timeout 240 "$n" --kernel-name $kn --launch-skip 1 \
+          --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+          python3 -m bench.kernels.attn_ncu --tiling $t --prompt 8192) \
           2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 | sed "s/^/$t /" | tee -a "$OUT/ncu.log"
       done ;;
     *) ;;

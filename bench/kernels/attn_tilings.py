@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,11 +56,24 @@ def fp8_codes(*shape: int) -> cupy.ndarray:
     return (mag | (cupy.random.randint(0, 2, shape, dtype=np.int32) << 7)).astype(np.uint8)
 
 
-def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
-                         ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
-    """One attention launch of sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a
-    paged cache whose blocks are shuffled, with random bf16 q, K and V (kv8: e4m3 codes, scales
-    0.1, and q rounded as over an fp8 cache) and 8 kv heads."""
+@dataclass
+class PagedCase:
+    """Sequences (q_lens[i] new tokens at the end of ctx_lens[i]) over a paged cache of 16-key
+    blocks [block][key][kv head][dim], shuffled: q [tokens][hq][dim], K and V, the block table, the
+    query start offsets and the context lengths, on the device."""
+    q: cupy.ndarray
+    k_cache: cupy.ndarray
+    v_cache: cupy.ndarray
+    query_start_loc: cupy.ndarray
+    seq_lens: cupy.ndarray
+    block_table: cupy.ndarray
+    q_lens: list[int]
+    ctx_lens: list[int]
+
+
+def paged_case(rng: np.random.Generator, hq: int, q_lens: list[int], ctx_lens: list[int],
+               kv8: bool = False) -> PagedCase:
+    """Random bf16 q, K and V (kv8: e4m3 codes, and q rounded as over an fp8 cache), 8 kv heads."""
     import cupy
 
     from bench.kernels.kernel_bench import act
@@ -68,7 +82,6 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
     blocks = [-(-c // BS) for c in ctx_lens]
     make = fp8_codes if kv8 else act
     kc, vc = make(sum(blocks), BS, hk, D), make(sum(blocks), BS, hk, D)
-    scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
     q = act(sum(q_lens), hq, D)
     if kv8:  # the query the prologue leaves over an fp8 cache: each row e4m3 x 2^n
         from vt.kernels.cuda_core import bf16_bits
@@ -84,9 +97,18 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
         at += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     dev = [cupy.asarray(np.asarray(a, np.int32)) for a in (qsl, ctx_lens, table)]
+    return PagedCase(q, kc, vc, *dev, list(q_lens), list(ctx_lens))
+
+
+def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
+                         ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
+    """One attention launch of a paged_case (kv8: scales 0.1)."""
+    c = paged_case(rng, hq, q_lens, ctx_lens, kv8)
+    scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
 
     def call() -> cupy.ndarray:
-        return be.attention(q, kc, vc, *dev, D**-0.5, max(q_lens), max(ctx_lens), kv_scales=scales)
+        return be.attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_table, D**-0.5,
+                            max(q_lens), max(ctx_lens), kv_scales=scales)
 
     return call
 
