@@ -19,10 +19,9 @@ peer_pair() {
     --server-args='--max-model-len 2048' 2>&1 | grep -E "throughput|Duration" | tee -a "$OUT/$2.log"
 }
 # The environment of a decode-lever arm (levers, lever_rows, held_ab): base (the generic per-token
-# quantizing kernels, VT_FP8_HELD_ROWS=0), off (the defaults) or cq (the merge writing o_proj's codes)
+# quantizing kernels, VT_FP8_HELD_ROWS=0) or off (the defaults)
 arm_env() {
-  case $1 in cq) echo "VT_ATTN_COMBINE_QUANT=1" ;; base) echo "VT_FP8_HELD_ROWS=0" ;;
-    *) echo "VT_LEVER_NONE=1" ;; esac
+  case $1 in base) echo "VT_FP8_HELD_ROWS=0" ;; *) echo "VT_LEVER_NONE=1" ;; esac
 }
 # A bench script in checkout $1 (this one: .), under a timeout of $2 s, as module $3 (serving.x); the rest
 # are its arguments. Checkouts from before bench/ had folders keep their scripts as bench/x.py.
@@ -189,32 +188,13 @@ for s in $steps; do
         VT_GEMV_MAX_TOKENS=$g timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
           -k engine_tokens 2>&1 | tail -4 | tee -a "$OUT/gemv_engine.log"
       done ;;
-    selfmerge)  # decode attention merging its own key splits (VT_ATTN_SELF_COMBINE=1): its GPU tests, then the
-                # engine suites with it on (~5 min; selfmerge_ab times it)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
-        -k "merging_its_own_splits or writing_its_fp8_codes or long_context_over_short" 2>&1 | tail -5 | tee "$OUT/selfmerge_tests.log"
-      VT_ATTN_SELF_COMBINE=1 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_model_cuda.py \
-        tests/gpu/test_fp8_cuda.py tests/gpu/test_cascade_cuda.py 2>&1 | tail -5 | tee -a "$OUT/selfmerge_tests.log" ;;
-    selfmerge_ab)  # 8B decode steps at max_model_len 16384 with it off and on, alternated (~1 min a run)
-      for q in ${SELFMERGE_QUANT:-fp8 bf16}; do
-        for ctx in ${SELFMERGE_CONTEXTS:-1024}; do
-          for on in 0 1 0 1; do
-            VT_ATTN_SELF_COMBINE=$on timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
-              --modes graph --bandwidth 3.0 --batches "${SELFMERGE_BATCHES:-1,8,64}" --context $ctx $([ $q = fp8 ] && echo --quantization fp8) \
-              2>&1 | grep "depth 2 |" | sed "s/^/$q self_combine=$on /" | tee -a "$OUT/selfmerge.log"
-          done
-        done
-      done ;;
-    levers)  # fp8 decode levers: the held-row quantizing kernels (the default; base = the generic ones) and the
-             # split merge writing o_proj's codes (VT_ATTN_COMBINE_QUANT=1, off: slower). Their GPU tests, the
-             # fp8 and model suites with cq on, then 8B fp8 decode steps per arm (LEVER_ARMS, LEVER_REPS rounds;
-             # ~5 min); lever_rows serves the batch-1 and 8000/64 fp8 rows per arm (~2 min)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py tests/gpu/test_fp8_cuda.py \
-        -k "writing_its_fp8_codes or held_row" 2>&1 | tail -4 | tee "$OUT/levers.log"
-      VT_ATTN_COMBINE_QUANT=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_fp8_cuda.py tests/gpu/test_model_cuda.py 2>&1 | tail -4 | tee -a "$OUT/levers.log"
+    levers)  # the fp8 decode lever, the held-row quantizing kernels (the default; base = the generic ones): its
+             # GPU tests, then 8B fp8 decode steps per arm (LEVER_ARMS, LEVER_REPS rounds; ~2 min); lever_rows
+             # serves the batch-1 and 8000/64 fp8 rows per arm (~2 min)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py -k held_row 2>&1 | tail -4 \
+        | tee "$OUT/levers.log"
       for rep in $(seq "${LEVER_REPS:-1}"); do
-        for arm in ${LEVER_ARMS:-base off cq}; do
+        for arm in ${LEVER_ARMS:-base off}; do
           env $(arm_env $arm) timeout 150 python3 -m bench.step.decode_step --preset 8b --max-model-len 16384 \
             --modes graph --bandwidth 3.0 --batches 1,8 --context 1024 --quantization fp8 2>&1 | grep "depth 2 |" \
             | sed "s/^/$arm /" | tee -a "$OUT/levers.log"
@@ -332,8 +312,8 @@ for s in $steps; do
       done ;;
     attn_peer)  # prompt attention beside vLLM's FlashAttention-3 on the same paged cases (the peer's bundle
                 # staged in /tmp/vb, ../shared/peer/README.md; installed here if the peer runner has not)
-      test -f /tmp/vb/.installed || { (cd /tmp/vb && SKIP_IMPORT_TEST=1 bash install.sh > "$OUT/vb_install.log" 2>&1) \
-        && touch /tmp/vb/.installed; }
+      # (not marking /tmp/vb/.installed: the peer runner also installs vLLM's fp8 extras under that mark)
+      test -d /tmp/vsite/vllm || (cd /tmp/vb && SKIP_IMPORT_TEST=1 bash install.sh > "$OUT/vb_install.log" 2>&1)
       (source /tmp/vb/vllm_env.sh; PYTHONPATH="$PWD:/tmp/vsite:/tmp/site" timeout 300 python3 -m bench.kernels.attn_peer \
         --tiling "${PEER_TILING:-wgwp}" --json "$OUT/attn_peer.json" 2>&1 | grep -vE "^(INFO|WARNING)" | tail -30 \
         | tee "$OUT/attn_peer.log") ;;

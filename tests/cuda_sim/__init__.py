@@ -84,35 +84,19 @@ def _launchers(src: str) -> str:
         out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
                    f'size_t smem, ATTN_TC_PARAMS, int row_tiles, int zcount) {{ return sim::launch(gx, gy, '
                    f'gz, threads, smem, [&] {{ {name}(ATTN_TC_ARGS, row_tiles, zcount); }}); }}')
-    # the decode kernels merging their own splits take the counters and the codes' outputs last
-    for name in re.findall(r"^SELF_MERGE_TC_ENTRY\((\w+)[,)]", src, flags=re.M):
-        out.append(f'extern "C" int sim_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, '
-                   f'size_t smem, ATTN_TC_PARAMS, int* counters, unsigned char* act_q, float* act_scale) '
-                   f'{{ return sim::launch(gx, gy, gz, threads, smem, '
-                   f'[&] {{ {name}(ATTN_TC_ARGS, counters, act_q, act_scale); }}); }}')
     return "\n".join(out)
 
 
 _SCALAR = """
-#define SIM_SCALAR_PARAMS                                                                            \\
-    unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem, const bf16_t* q, int q_stride, \\
-        const bf16_t* k_cache, const bf16_t* v_cache, const int* qsl, const int* seq_lens,          \\
-        const int* block_tables, int max_blocks, bf16_t* out, float* part_o, float* part_ml,         \\
-        int total_tokens, int hq, int hk, int d, int block_size, float scale_log2, int num_splits,   \\
-        float v_scale
-#define SIM_SCALAR_ARGS                                                                              \\
-    q, q_stride, k_cache, v_cache, qsl, seq_lens, block_tables, max_blocks, out, part_o, part_ml,    \\
-        total_tokens, hq, hk, d, block_size, scale_log2, num_splits, v_scale
 #define SIM_SCALAR_ATTENTION(NAME)                                                                   \\
-    extern "C" int sim_##NAME(SIM_SCALAR_PARAMS) {                                                   \\
-        return sim::launch(gx, gy, gz, threads, smem, [&] { NAME(SIM_SCALAR_ARGS); });               \\
-    }
-// the kernels merging their own splits take the counters and the codes' outputs last
-#define SIM_SELF_MERGE_ATTENTION(NAME)                                                               \\
-    extern "C" int sim_##NAME##_selfmerge(SIM_SCALAR_PARAMS, int* counters, unsigned char* act_q,    \\
-                                          float* act_scale) {                                        \\
-        return sim::launch(gx, gy, gz, threads, smem,                                                \\
-                           [&] { NAME##_selfmerge(SIM_SCALAR_ARGS, counters, act_q, act_scale); });  \\
+    extern "C" int sim_##NAME(unsigned gx, unsigned gy, unsigned gz, unsigned threads, size_t smem,  \\
+                              const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache, \\
+                              const int* qsl, const int* seq_lens, const int* block_tables, int max_blocks, \\
+                              bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, \\
+                              int d, int block_size, float scale_log2, int num_splits, float v_scale) { \\
+        return sim::launch(gx, gy, gz, threads, smem, [&] {                                          \\
+            NAME(q, q_stride, k_cache, v_cache, qsl, seq_lens, block_tables, max_blocks, out, part_o,  \\
+                 part_ml, total_tokens, hq, hk, d, block_size, scale_log2, num_splits, v_scale); }); \\
     }
 SIM_SCALAR_ATTENTION(attention_r1)
 SIM_SCALAR_ATTENTION(attention_r2)
@@ -120,12 +104,6 @@ SIM_SCALAR_ATTENTION(attention_r4)
 SIM_SCALAR_ATTENTION(attention_r1_kv8)
 SIM_SCALAR_ATTENTION(attention_r2_kv8)
 SIM_SCALAR_ATTENTION(attention_r4_kv8)
-SIM_SELF_MERGE_ATTENTION(attention_r1)
-SIM_SELF_MERGE_ATTENTION(attention_r2)
-SIM_SELF_MERGE_ATTENTION(attention_r4)
-SIM_SELF_MERGE_ATTENTION(attention_r1_kv8)
-SIM_SELF_MERGE_ATTENTION(attention_r2_kv8)
-SIM_SELF_MERGE_ATTENTION(attention_r4_kv8)
 """
 
 _COMBINE = """
@@ -136,15 +114,6 @@ extern "C" int sim_attention_combine_k(unsigned gx, unsigned gy, unsigned gz, un
     return sim::launch(gx, gy, gz, threads, smem, [&] {
         attention_combine_k(part_o, part_ml, qsl, seq_lens, num_seqs, out, total_tokens, hq, d, num_splits,
                             key_tile); });
-}
-extern "C" int sim_attention_combine_quant_k(unsigned gx, unsigned gy, unsigned gz, unsigned threads,
-                                             size_t smem, const float* part_o, const float* part_ml,
-                                             const int* qsl, const int* seq_lens, int num_seqs, bf16_t* out,
-                                             int total_tokens, int hq, int d, int num_splits, int key_tile,
-                                             unsigned char* act_q, float* act_scale) {
-    return sim::launch(gx, gy, gz, threads, smem, [&] {
-        attention_combine_quant_k(part_o, part_ml, qsl, seq_lens, num_seqs, out, total_tokens, hq, d,
-                                  num_splits, key_tile, act_q, act_scale); });
 }
 """
 
@@ -258,8 +227,6 @@ class SimAttention:
         self.scalar.sim_attention_combine_k.argtypes = _LAUNCH_ARGTYPES + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self.scalar.sim_attention_combine_quant_k.argtypes = (
-            self.scalar.sim_attention_combine_k.argtypes + [ctypes.c_void_p, ctypes.c_void_p])
 
     def launch(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
@@ -278,9 +245,7 @@ class SimAttention:
     def partials(self, kernel: str, grid: tuple[int, int, int], threads: int, smem: int,
                  q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, query_start_loc: np.ndarray,
                  seq_lens: np.ndarray, block_tables: np.ndarray, scale: float, splits: int,
-                 late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0),
-                 counters: np.ndarray | None = None, poison: bool = False,
-                 codes: tuple[np.ndarray, np.ndarray] | None = None,
+                 late: bool = False, order: int = 0, kv_scales: tuple[float, float] = (1.0, 1.0)
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """The attention kernel alone: (out, part_o, part_ml), out written with one split, the
         split partials (None with one) otherwise.
@@ -289,40 +254,26 @@ class SimAttention:
         while still read shows). order: which thread runs when one blocks (sim_runtime.h: 0
         round-robin, 1 lowest first, 2 highest first, 3+ seeded random); a barrier missing
         between warps shows in the orders that let one run ahead. kv_scales: an fp8 cache's
-        (k_scale, v_scale), passed as cuda_ops passes them (k_scale in the score scale).
-        counters (int32, one per (row tile, kv head, sequence), zero): launch the kernel's
-        _selfmerge twin on them instead, which writes out itself. poison: the partials start as
-        NaN (a read of one no block wrote shows). codes (with counters): the tokens' per-token fp8
-        codes uint8[T, Hq * D] and scales f32[T] the _selfmerge twin writes (counters then hold
-        one more int a sequence)."""
+        (k_scale, v_scale), passed as cuda_ops passes them (k_scale in the score scale)."""
         t, hq, d = q.shape
         _, bs, hk, _ = k_cache.shape
         out = np.zeros((t, hq, d), np.uint16)
         part_o = np.zeros((splits, t, hq, d), np.float32) if splits > 1 else None
         part_ml = np.zeros((splits, t, hq, 2), np.float32) if splits > 1 else None
-        if poison and splits > 1:
-            part_o[:], part_ml[:] = np.nan, np.nan
         scalar = kernel.startswith("attention_r")
         lib = self.scalar if scalar else self.wg if kernel.startswith("attention_wg") else self.tc
         lib.sim_set_timing(int(late), int(late), ctypes.c_uint(order))
-        fn = getattr(lib, f"sim_{kernel}" + ("_selfmerge" if counters is not None else ""))
+        fn = getattr(lib, f"sim_{kernel}")
         # a kernel over items: its 1-D grid (a persistent one of SIM_RESIDENT blocks) and item space
         grid, items = launch_shape(kernel, grid[0], grid[1], grid[2], SIM_RESIDENT)
         # the CUDA-core kernels take the head dim after hk (attention.cu)
         fn.argtypes = (_LAUNCH_ARGTYPES + _TC_ARGTYPES[:14] + [ctypes.c_int] * scalar + _TC_ARGTYPES[14:]
-                       + [ctypes.c_void_p] * (3 * (counters is not None)) + [ctypes.c_int] * len(items))
+                       + [ctypes.c_int] * len(items))
         head = (d,) if scalar else ()
-        if counters is not None:
-            assert counters.dtype == np.int32 and counters.flags.c_contiguous
-        if codes is not None:
-            assert counters is not None and codes[0].dtype == np.uint8 and codes[1].dtype == np.float32
-            assert codes[0].shape == (t, hq * d) and codes[0].flags.c_contiguous
-        act_q, act_scale = (None, None) if codes is None else codes
-        tail = () if counters is None else (_ptr(counters), _ptr(act_q), _ptr(act_scale))
         rc = fn(*grid, threads, smem, _ptr(q), hq * d, _ptr(k_cache), _ptr(v_cache), _ptr(query_start_loc),
                 _ptr(seq_lens), _ptr(block_tables), block_tables.shape[1], _ptr(out), _ptr(part_o),
                 _ptr(part_ml), t, hq, hk, *head, bs, scale * np.log2(np.e) * kv_scales[0], splits,
-                kv_scales[1], *tail, *items)
+                kv_scales[1], *items)
         if rc == 2:
             raise ValueError(f"{kernel}: a block wrote past the {smem} bytes of shared memory it was "
                              "launched with")
@@ -339,19 +290,5 @@ class SimAttention:
         rc = self.scalar.sim_attention_combine_k(t * hq, 1, 1, 64, 0, _ptr(part_o), _ptr(part_ml),
                                                  _ptr(query_start_loc), _ptr(seq_lens), seq_lens.shape[0],
                                                  _ptr(out), t, hq, d, splits, key_tile)
-        assert rc == 0
-        return out
-
-    def combine_quant(self, part_o: np.ndarray, part_ml: np.ndarray, query_start_loc: np.ndarray,
-                      seq_lens: np.ndarray, out: np.ndarray, key_tile: int,
-                      codes: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """attention_combine_quant_k as cuda_ops launches it (a block of 32 x min(Hq, 32) threads a
-        token): out merged as combine() merges it, and codes (uint8[T, Hq * D], f32[T]) written."""
-        splits, t, hq, d = part_o.shape
-        q, scale = codes
-        assert q.shape == (t, hq * d) and q.flags.c_contiguous and scale.shape == (t,)
-        rc = self.scalar.sim_attention_combine_quant_k(
-            t, 1, 1, 32 * min(hq, 32), 0, _ptr(part_o), _ptr(part_ml), _ptr(query_start_loc), _ptr(seq_lens),
-            seq_lens.shape[0], _ptr(out), t, hq, d, splits, key_tile, _ptr(q), _ptr(scale))
         assert rc == 0
         return out

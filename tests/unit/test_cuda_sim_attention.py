@@ -7,13 +7,11 @@ fragment layouts and waits without one."""
 
 from __future__ import annotations
 
-import ctypes
-
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.cuda_sim import SimAttention, SimUnavailable, build_kernels
+from tests.cuda_sim import SimAttention, SimUnavailable
 from tests.cuda_sim import bf16_bits as _bits
 from tests.cuda_sim import bf16_float as _float
 from vt.kernels.attention_plan import (
@@ -23,7 +21,7 @@ from vt.kernels.attention_plan import (
     attention_kernel,
     combine_key_tile,
 )
-from vt.kernels.numpy_fp8 import quantize, to_e4m3
+from vt.kernels.numpy_fp8 import to_e4m3
 from vt.kernels.numpy_ops import NumpyBackend
 
 BF16_TOL = 1e-2
@@ -269,182 +267,6 @@ def test_decode_combine_after_a_sequence_without_a_token_reads_every_split(sim):
     _poison(part_o, part_ml, slice(1, None), 0)
     got = sim.combine(part_o, part_ml, qsl, seq_lens, np.zeros_like(full), key_tile=kt)
     np.testing.assert_array_equal(got, full)
-
-
-# ---- a decode launch merging its own splits (the _selfmerge kernels, VT_ATTN_SELF_COMBINE=1) ----
-def _self_merge_case(sim, q_lens, ctx, hq, hk, d, kv8, seed, runs=2, quantize_rows=None):
-    """The decode launch over COMBINE_SPLITS splits with attention_combine_k after it (told the
-    kernel's key tile, as attention.py launches it), and its _selfmerge twin run `runs` times on
-    the same counters over NaN-poisoned partials: each run the same bits, the counters zero
-    after every one. quantize_rows (fp8.cu's quantize_rows_k on the simulator): the switch-off
-    path quantizes the merged rows after, and the twin writes the codes itself (a group's
-    counters, then a sequence's) over codes and scales that start as garbage: the same codes
-    and scales, bit for bit, too."""
-    rng = np.random.default_rng(seed)
-    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
-    scale, kv_scales = d**-0.5, KV8_SCALES if kv8 else (1.0, 1.0)
-    if kv8:
-        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
-    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
-    kt = combine_key_tile(plan, 1)
-    assert kt > 0
-    b, t = len(q_lens), int(qsl[-1])
-    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
-    launch = (plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens, table, scale,
-              COMBINE_SPLITS)
-    out, part_o, part_ml = sim.partials(*launch, kv_scales=kv_scales)
-    want = sim.combine(part_o, part_ml, qsl, seq_lens, out, key_tile=kt)
-    counters = np.zeros(plan.row_tiles * hk * b, np.int32)
-    if quantize_rows is not None:
-        want_q, want_s = quantize_rows(want.reshape(t, hq * d))
-        # quantize_rows_k is numpy_fp8.quantize's twin on the bf16 rows
-        twin_q, twin_s = quantize(_float(want).reshape(t, hq * d))
-        np.testing.assert_array_equal(want_q, twin_q.view(np.uint8))
-        np.testing.assert_array_equal(want_s, twin_s[:, 0])
-        counters = np.zeros(plan.row_tiles * hk * b + b, np.int32)
-    for run in range(runs):
-        codes = None
-        if quantize_rows is not None:
-            codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
-        got, _, _ = sim.partials(*launch, kv_scales=kv_scales, counters=counters, poison=True, codes=codes)
-        np.testing.assert_array_equal(got, want, err_msg=f"{plan.name}, run {run}")
-        if codes is not None:
-            np.testing.assert_array_equal(codes[0], want_q, err_msg=f"{plan.name} codes, run {run}")
-            np.testing.assert_array_equal(codes[1], want_s, err_msg=f"{plan.name} scales, run {run}")
-        assert not counters.any(), (plan.name, run, counters)
-
-
-@pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
-    (8, 2, 128, False, "attention_tc_d128_decode8"),
-    (8, 2, 128, True, "attention_tc_d128_decode8_kv8"),
-    (32, 8, 128, True, "attention_tc_d128_decode8_kv8"),  # the 8B model's heads
-    (8, 4, 64, False, "attention_tc_d64_decode8"),
-    (8, 4, 64, True, "attention_tc_d64_decode8_kv8"),
-    (32, 2, 128, False, "attention_tc_d128_decode"),
-    (32, 2, 128, True, "attention_tc_d128_decode_kv8"),
-    (16, 1, 64, False, "attention_tc_d64_decode"),
-    (16, 1, 64, True, "attention_tc_d64_decode_kv8"),
-    (8, 4, 96, False, "attention_r1"),
-    (8, 2, 96, True, "attention_r1_kv8"),
-    (16, 2, 96, False, "attention_r2"),
-    (16, 2, 256, True, "attention_r2_kv8"),
-    (64, 2, 96, False, "attention_r4"),  # two row tiles a kv head
-    (32, 2, 160, True, "attention_r4_kv8"),
-])
-def test_a_decode_launch_merges_its_own_splits_bit_for_bit(sim, hq, hk, d, kv8, kernel):
-    """Split for a long context over short, varied ones (keys in one split only, a tile and a key,
-    every split, past one tile a split): the _selfmerge twin's output is attention_combine_k's,
-    bit for bit, twice in a row on the same counters (the last block of each group resets its
-    own), which are zero after. The partials start as NaN, so a merge before every split holding
-    keys has written (the last block picked too early) or one reading a split without keys
-    shows."""
-    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
-    assert plan.name == kernel
-    kt = combine_key_tile(plan, 1)
-    ctx = [1, kt + 1, 3 * kt + 17, COMBINE_SPLITS * kt, COMBINE_SPLITS * kt + 1, 5]
-    assert [_active_splits(c, kt, COMBINE_SPLITS) for c in ctx] == [1, 2, 4, 40, 21, 1]
-    _self_merge_case(sim, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8)
-
-
-@pytest.mark.parametrize("kernel_kv8", [False, True])
-def test_self_merge_after_a_sequence_without_a_token(sim, kernel_kv8):
-    """A sequence of no token (its blocks return before writing, and never count) between
-    decodes: the others' rows still merge once, as the combine merges them."""
-    _self_merge_case(sim, [1, 0, 1, 1], [1, 700, 2600, 65], 8, 2, 128, kernel_kv8, 43, runs=3)
-
-
-# ---- ... and writing its tokens' fp8 codes (attention.py's attention_fp8_out, switch on) ----------
-@pytest.fixture(scope="module")
-def quantize_rows():
-    """fp8.cu's quantize_rows_k on the simulator: bf16 rows (bits) -> per-token codes and scales."""
-    p, i = ctypes.c_void_p, ctypes.c_int
-    try:
-        lib = build_kernels("fp8.cu", {"quantize_rows_k": (
-            "const bf16_t* x, long long ld, unsigned char* q, float* scale, int k, int group, int scale_ld",
-            "x, ld, q, scale, k, group, scale_ld", [p, ctypes.c_longlong, p, p, i, i, i])})
-    except SimUnavailable as e:
-        pytest.skip(str(e))
-
-    def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = np.ascontiguousarray(x)
-        rows, k = x.shape
-        q, scale = np.zeros((rows, k), np.uint8), np.zeros(rows, np.float32)
-        rc = lib.sim_quantize_rows_k(rows, 1, 1, 256, 0, x.ctypes.data, k, q.ctypes.data, scale.ctypes.data,
-                                     k, 0, rows)
-        assert rc == 0
-        return q, scale
-    return run
-
-
-@pytest.mark.parametrize("hq,hk,d,kv8,kernel", [
-    (32, 8, 128, False, "attention_tc_d128_decode8"),  # the 8B model's heads
-    (32, 8, 128, True, "attention_tc_d128_decode8_kv8"),
-    (32, 2, 128, True, "attention_tc_d128_decode_kv8"),
-    (64, 2, 96, False, "attention_r4"),  # two row tiles a kv head: four groups a token
-    (8, 2, 96, True, "attention_r1_kv8"),
-])
-def test_a_decode_launch_writes_its_tokens_fp8_codes_bit_for_bit(sim, quantize_rows, hq, hk, d, kv8, kernel):
-    """Short, varied contexts split 40 ways (keys in one split only, a tile and a key, past one
-    tile a split): each token's last block writes the codes and scale quantize_rows_k writes on
-    the merged output, bit for bit, twice on the same counters. A token's last block picked
-    early reads rows no group has merged yet (zeros), one never picked leaves the garbage."""
-    plan = attention_kernel(hq // hk, 1, d, kv8=kv8)
-    assert plan.name == kernel
-    kt = combine_key_tile(plan, 1)
-    ctx = [1, kt + 1, 3 * kt + 17, 5, 2 * kt]
-    _self_merge_case(sim, [1] * len(ctx), ctx, hq, hk, d, kv8, d + hq + hk + kv8, quantize_rows=quantize_rows)
-
-
-def test_fp8_codes_after_a_sequence_without_a_token(sim, quantize_rows):
-    """A sequence of no token between decodes counts nothing: the others' codes are still
-    written once, three launches in a row."""
-    _self_merge_case(sim, [1, 0, 1, 1], [1, 700, 90, 65], 32, 8, 128, True, 44, runs=3,
-                     quantize_rows=quantize_rows)
-
-
-# ---- ... or by the merge after the launch (attention_combine_quant_k, VT_ATTN_COMBINE_QUANT=1) --------
-@pytest.mark.parametrize("hq,hk,d,kv8,q_lens,ctx", [
-    (32, 8, 128, False, [1] * 5, None),  # the 8B model's heads (decode8), contexts from its key tile
-    (32, 8, 128, True, [1, 0, 1, 1], [1, 700, 90, 65]),  # a sequence without a token
-    (64, 2, 96, False, [1] * 3, [5, 300, 2000]),  # 64 heads: each warp merges two rows
-    (8, 2, 64, False, [2, 1], [40, 300]),  # two query rows: every split merged
-])
-def test_the_merge_writes_the_tokens_fp8_codes_bit_for_bit(sim, quantize_rows, hq, hk, d, kv8, q_lens, ctx):
-    """attention_combine_quant_k over a decode launch's 40 splits: out as attention_combine_k
-    merges it and the codes and scales quantize_rows_k makes of it, bit for bit, for every row of
-    out: two padding rows past the last sequence keep their (garbage) rows and get their codes.
-    The splits past a decode row's keys hold finite m over NaN partials (where the combine reads
-    only those with keys): reading one shows."""
-    rng = np.random.default_rng(hq + d + kv8 + len(q_lens))
-    plan = attention_kernel(hq // hk, max(q_lens), d, kv8=kv8)
-    kt = combine_key_tile(plan, max(q_lens))
-    if ctx is None:
-        ctx = [1, kt + 1, 3 * kt + 17, 5, 2 * kt]
-    q, kc, vc, qsl, seq_lens, table = _paged_batch(rng, q_lens, ctx, hq, hk, d, 16)
-    if kv8:
-        kc, vc = (to_e4m3(_float(c) * 40).view(np.uint8) for c in (kc, vc))
-    pad = _bits(rng.standard_normal((2, hq, d)).astype(np.float32) * 3)
-    q = np.concatenate([q, pad])  # rows past the last sequence: no block reads them
-    b, t = len(q_lens), q.shape[0]
-    grid = (plan.row_tiles, hk, b * COMBINE_SPLITS)
-    out, part_o, part_ml = sim.partials(plan.name, grid, plan.threads, plan.smem, q, kc, vc, qsl, seq_lens,
-                                        table, d**-0.5, COMBINE_SPLITS,
-                                        kv_scales=KV8_SCALES if kv8 else (1.0, 1.0))
-    out[int(qsl[-1]):] = pad  # what an earlier step left there
-    if kt > 0:
-        for i, (n, c) in enumerate(zip(q_lens, ctx, strict=True)):
-            if n == 1 and qsl[i] == i:  # after a sequence without a token every split is merged
-                _poison(part_o, part_ml, slice(_active_splits(c, kt, COMBINE_SPLITS), None), int(qsl[i]))
-    want = sim.combine(part_o, part_ml, qsl, seq_lens, out.copy(), key_tile=kt)
-    assert np.isfinite(_float(want)).all()
-    want_q, want_s = quantize_rows(want.reshape(t, hq * d))
-    codes = (np.full((t, hq * d), 0x7F, np.uint8), np.full(t, np.nan, np.float32))
-    got = sim.combine_quant(part_o, part_ml, qsl, seq_lens, out.copy(), kt, codes)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(codes[0], want_q)
-    np.testing.assert_array_equal(codes[1], want_s)
-    wrong = sim.combine_quant(part_o, part_ml, qsl, seq_lens, out.copy(), 0, codes)  # every split read
-    assert kt == 0 or np.isnan(_float(wrong)).any()
 
 
 def test_the_simulator_sees_a_wrong_fragment_layout(sim):

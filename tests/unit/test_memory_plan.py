@@ -17,8 +17,6 @@ from vt.config import EngineConfig, ModelConfig
 from vt.kernels import get_backend
 from vt.kernels.arena import ArenaExhausted, aligned
 from vt.kernels.attention_plan import (
-    ATTN_COUNTER_BYTES,
-    ATTN_COUNTERS,
     MAX_KEY_SPLITS,
     attention_partial_bytes,
     key_splits,
@@ -114,29 +112,6 @@ def test_split_partials_fit_the_budget(budget: int, tokens: int, heads: int, dim
     assert s == 1 or attention_partial_bytes(s, tokens, heads, dim) <= budget
     assert s == MAX_KEY_SPLITS or attention_partial_bytes(s + 1, tokens, heads, dim) > budget - 512
     assert key_splits(8, 396, 40960, s) <= s
-
-
-@settings(max_examples=200, deadline=None)
-@given(splits=st.integers(2, MAX_KEY_SPLITS), tokens=st.integers(1, 4096), heads=st.integers(1, 64),
-       dim=st.sampled_from([64, 96, 128, 256]), spare=st.integers(0, 4096))
-def test_split_scratch_keeps_the_self_merge_counters_past_every_partial(splits: int, tokens: int, heads: int,
-                                                                        dim: int, spare: int) -> None:
-    """The scratch for `splits` splits holds them and, in its last ATTN_COUNTER_BYTES, the
-    self-merging kernels' counters: the partials of any launch that max_splits_within lets into
-    the scratch (as attention.py lays them out) end before those bytes, so the counters stay zero."""
-    rows = tokens * heads
-    need = attention_partial_bytes(splits, tokens, heads, dim)
-    assert need == aligned(splits * rows * dim * 4) + aligned(splits * rows * 2 * 4) + ATTN_COUNTER_BYTES
-    assert ATTN_COUNTER_BYTES == 4 * ATTN_COUNTERS and ATTN_COUNTER_BYTES % 256 == 0
-    budget = need + spare
-    s = max_splits_within(budget, tokens, heads, dim)
-    assert s >= splits or spare < 512  # it keeps up to two alignments' slack
-    assert max_splits_within(need + 512, tokens, heads, dim) >= splits
-    for t in (tokens, max(1, tokens // 3)):  # a launch of fewer rows in the same scratch
-        s = max_splits_within(budget, t, heads, dim)
-        if s > 1:
-            o_ml = aligned(s * t * heads * dim * 4) + s * t * heads * 2 * 4
-            assert o_ml <= budget - ATTN_COUNTER_BYTES
 
 
 def test_start_refuses_step_memory_the_card_lacks_naming_the_flags(checkpoint: Path) -> None:

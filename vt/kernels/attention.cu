@@ -8,9 +8,8 @@
 // the 32-key tile and owns output dims (2p, 2p + 1) for p = l + 32 i. Scores live in the log2
 // domain (q pre-scaled by scale * log2 e) with an online softmax in fp32.
 // With num_splits > 1 each split covers a slice of the key tiles and writes unnormalised
-// partials (o, m, l) that attention_combine_k merges (or, in the _selfmerge kernels, the last
-// block of each row tile, kv head and sequence); the slice is derived from the actual seq_len, so
-// a captured launch stays right for any context up to the one it was sized for.
+// partials (o, m, l) that attention_combine_k merges; the slice is derived from the actual
+// seq_len, so a captured launch stays right for any context up to the one it was sized for.
 //
 // Shared memory (dynamic): V tile [32][d/2] words, Q rows [4R][d/2] float2, K tile [32][d/2 + 1]
 // words (the pad word makes lane l's row start in bank l, so the score loop is conflict free).
@@ -180,33 +179,6 @@ ATTENTION_ENTRY(attention_r1_kv8, 1, true)
 ATTENTION_ENTRY(attention_r2_kv8, 2, true)
 ATTENTION_ENTRY(attention_r4_kv8, 4, true)
 
-// The same kernels merging their own key splits (VT_ATTN_SELF_COMBINE=1; attention_merge.cu's
-// merge_own_splits, as attention_tc.cu's SELF_MERGE_TC_ENTRY): counters, one int per (row tile,
-// kv head, sequence) then one per sequence, zero before the launch and after it; act_q and
-// act_scale (nullable): the tokens' per-token fp8 codes and scales, written by each token's last
-// block.
-#define SELF_MERGE_ENTRY(NAME, R, KV8)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                              \
-        const bf16_t* q, int q_stride, const bf16_t* k_cache, const bf16_t* v_cache,                     \
-        const int* query_start_loc, const int* seq_lens, const int* block_tables, int max_blocks,        \
-        bf16_t* out, float* part_o, float* part_ml, int total_tokens, int hq, int hk, int d,             \
-        int block_size, float scale_log2, int num_splits, float v_scale, int* counters,                  \
-        unsigned char* act_q, float* act_scale) {                                                        \
-        attention_body<R, KV8>(q, q_stride, k_cache, v_cache, query_start_loc, seq_lens, block_tables,   \
-                               max_blocks, out, part_o, part_ml, total_tokens, hq, hk, d, block_size,    \
-                               scale_log2, num_splits, v_scale);                                         \
-        extern __shared__ __align__(16) unsigned char smem[];                                            \
-        merge_own_splits(query_start_loc, seq_lens, hq, hk, num_splits, 4 * R, KT, part_o, part_ml, out, \
-                         total_tokens, d, counters, reinterpret_cast<int*>(smem), act_q, act_scale);     \
-    }
-
-SELF_MERGE_ENTRY(attention_r1_selfmerge, 1, false)
-SELF_MERGE_ENTRY(attention_r2_selfmerge, 2, false)
-SELF_MERGE_ENTRY(attention_r4_selfmerge, 4, false)
-SELF_MERGE_ENTRY(attention_r1_kv8_selfmerge, 1, true)
-SELF_MERGE_ENTRY(attention_r2_kv8_selfmerge, 2, true)
-SELF_MERGE_ENTRY(attention_r4_kv8_selfmerge, 4, true)
-
 // Merge split partials of every (token, head) row: one block of 64 threads per row.
 // Rows no split wrote (padding tokens) are left alone by checking the coverage mask.
 // key_tile > 0 (attention_plan.combine_key_tile: a launch of one query row a sequence, whose
@@ -215,15 +187,6 @@ SELF_MERGE_ENTRY(attention_r4_kv8_selfmerge, 4, true)
 // long context splits 30-60 ways however short the real one; the splits past the keys carry
 // m = -inf and weigh nothing, and the ones read are the leading ones in order, so the sums are
 // the same bits. key_tile 0: every split.
-// Those splits for token t (first: query_start_loc[0]); a decode row's kv_end is seq_lens[b].
-__device__ __forceinline__ int combine_splits(const int* query_start_loc, const int* seq_lens, int num_seqs, int t,
-                                              int first, int num_splits, int key_tile) {
-    const int b = t - first;  // the row's sequence, unless one before it has no token
-    if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1)
-        return splits_with_keys(seq_lens[b], key_tile, num_splits);
-    return num_splits;
-}
-
 extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                const int* __restrict__ query_start_loc,
                                                const int* __restrict__ seq_lens, int num_seqs,
@@ -235,38 +198,14 @@ extern "C" __global__ void attention_combine_k(const float* __restrict__ part_o,
     // over a later part of the batch)
     const int first = query_start_loc[0];
     if (t < first || t >= query_start_loc[num_seqs]) return;
-    const int splits = combine_splits(query_start_loc, seq_lens, num_seqs, t, first, num_splits, key_tile);
+    int splits = num_splits;
+    const int b = t - first;  // the row's sequence, unless one before it has no token
+    if (key_tile > 0 && b < num_seqs && query_start_loc[b] == t && query_start_loc[b + 1] == t + 1) {
+        // one query row sees every key of its sequence: the kernel's kv_end is seq_lens[b]
+        splits = splits_with_keys(seq_lens[b], key_tile, num_splits);
+    }
     merge_split_partials(part_o, part_ml, splits, [&](int s) { return (size_t)s * total_tokens * hq + row; },
                          out + (size_t)row * d, d);
-}
-
-// attention_combine_k, then quantize_rows_k's per-token codes (group 0) of the merged rows, as one
-// launch: an fp8 projection's input after a decode launch with key splits (attention.py,
-// VT_ATTN_COMBINE_QUANT). A block a token of every row of out (grid total_tokens), a warp a head
-// row at a time: each row merged as attention_combine_k merges it (the same splits, the same
-// bits), then the token's bf16 row read back and quantized as quantize_rows_k does. A token of no
-// sequence keeps its row of out, and gets that row's codes, as quantize_rows_k would give them.
-extern "C" __global__ void __launch_bounds__(1024)
-attention_combine_quant_k(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                          const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, int num_seqs,
-                          bf16_t* __restrict__ out, int total_tokens, int hq, int d, int num_splits, int key_tile,
-                          unsigned char* __restrict__ act_q, float* __restrict__ act_scale) {
-    grid_dependents_go();  // the GEMV after this may start streaming its weights
-    __shared__ float scratch[32];
-    const int t = blockIdx.x;
-    const int first = query_start_loc[0];
-    if (t >= first && t < query_start_loc[num_seqs]) {
-        const int splits = combine_splits(query_start_loc, seq_lens, num_seqs, t, first, num_splits, key_tile);
-        for (int h = threadIdx.x >> 5; h < hq; h += blockDim.x >> 5) {
-            const int row = t * hq + h;
-            merge_split_partials<false, true>(part_o, part_ml, splits,
-                                              [&](int s) { return (size_t)s * total_tokens * hq + row; },
-                                              out + (size_t)row * d, d);
-        }
-        __syncthreads();  // the block's stores of the row, before any thread reads it back
-    }
-    const size_t k = (size_t)hq * d;
-    quantize_token_row(out + t * k, act_q + t * k, act_scale, t, (int)k, scratch);
 }
 
 // ---- cascade attention (cascade_plan.py): decodes sharing their first prefix_len keys ---------

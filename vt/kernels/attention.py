@@ -12,15 +12,12 @@ import numpy as np
 
 from vt.kernels.arena import aligned
 from vt.kernels.attention_plan import (
-    ATTN_COUNTER_BYTES,
-    ATTN_COUNTERS,
     DEFAULT_PREFILL_TILING,
     FALLBACK_PREFILL_TILING,
     KV8_SUFFIX,
     MAX_KEY_SPLITS,
     PREFILL_TILINGS,
     QK8_KERNEL,
-    SELF_MERGE_SUFFIX,
     TC_HEAD_DIMS,
     attention_kernel,
     attention_partial_bytes,
@@ -30,15 +27,7 @@ from vt.kernels.attention_plan import (
     max_splits_within,
 )
 from vt.kernels.cascade_plan import cascade_scratch, cascade_splits_within
-from vt.kernels.cuda_core import (
-    CudaCore,
-    compile_cubin,
-    is_fp8_cache,
-    requested_count,
-    requested_switch,
-    token_stride,
-)
-from vt.kernels.quantized import Fp8Activation
+from vt.kernels.cuda_core import CudaCore, compile_cubin, is_fp8_cache, requested_switch, token_stride
 from vt.kernels.sources import ARCH_KERNEL_FILES, translation_unit
 
 # Each kernel and its twin reading an fp8 (e4m3) KV cache (KV8_SUFFIX).
@@ -49,16 +38,13 @@ _TC_KERNELS = (
       for k in t.kernels(kv8)),
 )
 _SCALAR_KERNELS = tuple(f"attention_r{r}{s}" for r in (1, 2, 4) for s in ("", KV8_SUFFIX))
-# The decode kernels' twins that merge their own key splits (VT_ATTN_SELF_COMBINE=1).
-_SELF_MERGE_TC = tuple(k + SELF_MERGE_SUFFIX for k in _TC_KERNELS if "_decode" in k)
-_SELF_MERGE_SCALAR = tuple(k + SELF_MERGE_SUFFIX for k in _SCALAR_KERNELS)
 # The kernels these launchers call from the files every GPU builds (sm_90a's are built on demand).
 KERNELS = {
-    "attention.cu": (*_SCALAR_KERNELS, *_SELF_MERGE_SCALAR, "attention_combine_k",
-                     "attention_combine_quant_k", "attention_cascade_prep_k", "attention_cascade_combine_k"),
-    "attention_tc.cu": (*_TC_KERNELS, *_SELF_MERGE_TC),
+    "attention.cu": (*_SCALAR_KERNELS, "attention_combine_k", "attention_cascade_prep_k",
+                     "attention_cascade_combine_k"),
+    "attention_tc.cu": _TC_KERNELS,
 }
-_LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS, *_SELF_MERGE_SCALAR, *_SELF_MERGE_TC)
+_LARGE_SMEM_KERNELS = (*_SCALAR_KERNELS, *_TC_KERNELS)
 _ATTN_SMEM_MAX = 200 * 1024
 _SM90_SMEM_MAX = 227 * 1024  # an sm_90 block's opt-in shared memory (wgr's three 64 KB stages need it)
 _LOG2E = 1.4426950408889634
@@ -78,8 +64,6 @@ def requested_prefill_tiling(name: str | None) -> str | None:
 
 class AttentionOps(CudaCore):
     kv8_qk8: bool = False
-    attn_self_combine: bool = False
-    attn_combine_quant: bool = False
 
     def _init_attention(self, requested_tiling: str | None) -> None:
         """Opt the kernels into their shared memory, pick the prompt tiling (the requested one,
@@ -91,13 +75,6 @@ class AttentionOps(CudaCore):
         # Prompts over an fp8 cache run Q K^T in e4m3 (attention_wgq) unless VT_KV8_QK8=0: the
         # prologue leaves q rounded to e4m3 x 2^n, so every kernel reads the same query
         self.kv8_qk8 = requested_switch("VT_KV8_QK8")
-        # A decode launch merges its own key splits in its last block, in place of the
-        # attention_combine_k launch after it, with VT_ATTN_SELF_COMBINE=1 (off: slower at 1-8 rows)
-        self.attn_self_combine = requested_count(None, "VT_ATTN_SELF_COMBINE", 0, 1) == 1
-        # An fp8 projection's per-token codes made by the split merge itself (one launch, not
-        # attention_combine_k and quantize_rows_k), with VT_ATTN_COMBINE_QUANT=1 (off: slower at
-        # batch 1 on the H100, bench/RESULTS.md)
-        self.attn_combine_quant = requested_count(None, "VT_ATTN_COMBINE_QUANT", 0, 1) == 1
         self.prefill_tiling = FALLBACK_PREFILL_TILING
         self.use_prefill_tiling(requested_tiling or DEFAULT_PREFILL_TILING, strict=bool(requested_tiling))
         self._occupancy: dict[tuple[str, int, int], int] = {}
@@ -185,49 +162,6 @@ class AttentionOps(CudaCore):
         first decode_seqs sequences, or all of a one-token-a-sequence launch) all begin with that
         many of the same blocks, each with keys past them (cascade_plan.py): the shared keys are
         read once for all of them."""
-        return self._attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                            max_query_len, max_seq_len, out, decode_seqs, follows_kv_write, kv_scales,
-                            cascade_blocks, False)[0]
-
-    def attention_fp8_out(
-        self,
-        q: cupy.ndarray,
-        k_cache: cupy.ndarray,
-        v_cache: cupy.ndarray,
-        query_start_loc: cupy.ndarray,
-        seq_lens: cupy.ndarray,
-        block_tables: cupy.ndarray,
-        scale: float,
-        max_query_len: int,
-        max_seq_len: int,
-        group: int | None,
-        decode_seqs: int = 0,
-        follows_kv_write: bool = False,
-        kv_scales: tuple[float, float] = (1.0, 1.0),
-        cascade_blocks: int = 0,
-    ) -> Fp8Activation:
-        """attention(...) as an fp8 projection's input: quantize_fp8(out as [T, Hq * D], group).
-        A decode launch that merges its own splits (VT_ATTN_SELF_COMBINE=1) with per-token scales
-        (group None) writes the codes in the same launch, each token's last block quantizing its
-        row as quantize_rows_k does (attention_merge.cu); with VT_ATTN_COMBINE_QUANT=1 the merge
-        after a split launch writes them (attention_combine_quant_k); otherwise quantize_fp8
-        launches after it. Either way the codes come from Fp8Ops._activation, as quantize_fp8's do."""
-        t, hq, d = q.shape
-        out, codes = self._attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                  max_query_len, max_seq_len, None, decode_seqs, follows_kv_write, kv_scales,
-                                  cascade_blocks, group is None)
-        if codes is None:
-            codes = self.quantize_fp8(out.reshape(t, hq * d), group)  # Fp8Ops' (CudaBackend mixes both in)
-        return codes
-
-    def _attend(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
-                query_start_loc: cupy.ndarray, seq_lens: cupy.ndarray, block_tables: cupy.ndarray,
-                scale: float, max_query_len: int, max_seq_len: int, out: cupy.ndarray | None,
-                decode_seqs: int, follows_kv_write: bool, kv_scales: tuple[float, float],
-                cascade_blocks: int, codes: bool) -> tuple[cupy.ndarray, Fp8Activation | None]:
-        """attention's launches and out; codes: per-token fp8 codes of out are wanted, which a
-        self-merging decode launch, or with VT_ATTN_COMBINE_QUANT=1 the merge after a split
-        launch, writes itself (then returned; None where no launch did)."""
         qst = token_stride(q, "attention q")
         t, hq, d = q.shape
         nb, bs, hk, dc = k_cache.shape
@@ -244,7 +178,7 @@ class AttentionOps(CudaCore):
             raise ValueError(f"attention: out must be a contiguous act{[t, hq, d]}, got {out.shape}")
         b = seq_lens.shape[0]
         if t == 0 or b == 0 or max_query_len <= 0:
-            return out, None
+            return out
         if 0 < decode_seqs < b and max_query_len > 1:
             # One launch would put the decodes on prefill tiles too (4 live rows of 64 at GQA
             # group 4), so they get the decode tiles and the rest a launch of its own.
@@ -256,21 +190,16 @@ class AttentionOps(CudaCore):
                            follows_kv_write=follows_kv_write, kv_scales=kv_scales,
                            cascade_blocks=cascade_blocks)
             return self.attention(q, k_cache, v_cache, query_start_loc[d_:], seq_lens[d_:], block_tables[d_:],
-                                  scale, max_query_len, max_seq_len, out, kv_scales=kv_scales), None
+                                  scale, max_query_len, max_seq_len, out, kv_scales=kv_scales)
         if cascade_blocks > 0 and max_query_len == 1 and self._cascade(
                 q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len, out,
                 kv_scales, cascade_blocks):
-            return out, None
+            return out
         plan = attention_kernel(hq // hk, max_query_len, d, k_cache.size, prefill=self.prefill_tiling,
                                 kv8=kv8, qk8=self.kv8_qk8)
         kernel, tensor_cores, row_tiles, smem, threads = plan
-        groups = row_tiles * hk * b
-        splits, part_o, part_ml, counters = self._key_split_partials(kernel, smem, threads, groups,
-                                                                     max_seq_len, t, hq, d)
-        # a decode launch's merge reads only the splits that hold each row's keys
-        key_tile = combine_key_tile(plan, max_query_len)
-        # ... and with the switch on, its last blocks do it (same splits and bits, one launch)
-        self_merge = self.attn_self_combine and splits > 1 and key_tile > 0 and groups <= ATTN_COUNTERS
+        splits, part_o, part_ml = self._key_split_partials(kernel, smem, threads, row_tiles * hk * b,
+                                                           max_seq_len, t, hq, d)
         # An fp8 cache reads code * scale: k_scale scales every score, v_scale the output.
         k_scale, v_scale = kv_scales if kv8 else (1.0, 1.0)
         scale_log2 = _f32(scale * _LOG2E * k_scale)
@@ -279,30 +208,20 @@ class AttentionOps(CudaCore):
         tail = (_i32(bs), scale_log2, _i32(splits), _f32(v_scale))
         args = common + tail if tensor_cores else common + (_i32(d),) + tail
         launch = self._launch_after if follows_kv_write and tensor_cores else self._launch
-        if self_merge:
-            # the tokens' codes too where each sequence's counter fits after the groups' (one query
-            # row a sequence: key_tile > 0); from Fp8Ops' allocator, as quantize_fp8 takes them
-            act = None
-            if codes and groups + b <= ATTN_COUNTERS:
-                act = self._activation(t, hq * d, None)
-            outputs = (0, 0) if act is None else (act.q, act.scale)
-            launch(kernel + SELF_MERGE_SUFFIX, (row_tiles, hk, b * splits), (threads,),
-                   args + (counters, *outputs), shared_mem=smem)
-            return out, act
         grid, items = launch_shape(kernel, row_tiles, hk, b * splits,
                                    self._resident_blocks(kernel, smem, threads))
         launch(kernel, grid, (threads,), args + tuple(_i32(x) for x in items), shared_mem=smem)
         if splits > 1:
-            merge = (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
-                     _i32(splits), _i32(key_tile))
-            if codes and self.attn_combine_quant:
-                # a block a token, a warp a head row at a time: every row of out, as quantize_rows_k
-                act = self._activation(t, hq * d, None)
-                self._launch("attention_combine_quant_k", (t,), (32 * min(hq, 32),),
-                             merge + (act.q, act.scale))
-                return out, act
-            self._launch("attention_combine_k", (t * hq,), (64,), merge)
-        return out, None
+            # a decode launch's combine reads only the splits that hold each row's keys
+            key_tile = combine_key_tile(plan, max_query_len)
+            self._launch(
+                "attention_combine_k",
+                (t * hq,),
+                (64,),
+                (part_o, part_ml, query_start_loc, seq_lens, _i32(b), out, _i32(t), _i32(hq), _i32(d),
+                 _i32(splits), _i32(key_tile)),
+            )
+        return out
 
     def _cascade(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                  query_start_loc: cupy.ndarray, seq_lens: cupy.ndarray, block_tables: cupy.ndarray,
@@ -319,9 +238,8 @@ class AttentionOps(CudaCore):
             raise ValueError(f"attention: cascade_blocks {cascade_blocks} leaves no block of the "
                              f"{block_tables.shape[1]} in the table")
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
-        # the scratch's last ATTN_COUNTER_BYTES are the self-merging kernels' counters: kept zero
-        cap = (cascade_splits_within(max(0, part_buf.nbytes - ATTN_COUNTER_BYTES), b, hq, d)
-               if part_buf is not None else MAX_KEY_SPLITS)
+        cap = (cascade_splits_within(part_buf.nbytes, b, hq, d) if part_buf is not None
+               else MAX_KEY_SPLITS)
         if not cap:
             return False
         prefix_len = cascade_blocks * bs
@@ -369,22 +287,18 @@ class AttentionOps(CudaCore):
         return True
 
     def _key_split_partials(self, kernel: str, smem: int, threads: int, blocks: int, max_seq_len: int,
-                            t: int, hq: int, d: int) -> tuple[int, Any, Any, Any]:
-        """Key splits of a launch of `blocks` blocks per split, its partials (o, (m, l)) in the
-        slot's kernel scratch and the self-merging kernels' counters i32[ATTN_COUNTERS] (the
-        scratch's last bytes, zero between launches), or 0, 0, 0 with one split. The splits follow
-        `kernel`'s occupancy (not its _selfmerge twin's), so both paths split alike."""
+                            t: int, hq: int, d: int) -> tuple[int, Any, Any]:
+        """Key splits of a launch of `blocks` blocks per split, and its partials (o, (m, l)) in
+        the slot's kernel scratch, or 0, 0 with one split."""
         part_buf = None if (s := self._slot_ctx()) is None else s.partials
         cap = max_splits_within(part_buf.nbytes, t, hq, d) if part_buf is not None else MAX_KEY_SPLITS
         resident = self._resident_blocks(kernel, smem, threads)
         splits = key_splits(blocks, resident, max_seq_len, cap)
         if splits <= 1:
-            return splits, 0, 0, 0
-        if part_buf is None:  # outside a step (tests, setup): from the pool, the counters zeroed
-            part_buf = cupy.zeros((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
+            return splits, 0, 0
+        if part_buf is None:  # outside a step (tests, setup): from the pool
+            part_buf = cupy.empty((attention_partial_bytes(splits, t, hq, d),), dtype=np.uint8)
         o_bytes = aligned(splits * t * hq * d * 4)
         part_o = cupy.ndarray((splits, t, hq, d), np.float32, memptr=part_buf.data)
         part_ml = cupy.ndarray((splits, t, hq, 2), np.float32, memptr=part_buf.data + o_bytes)
-        counters = cupy.ndarray((ATTN_COUNTERS,), np.int32,
-                                memptr=part_buf.data + (part_buf.nbytes - ATTN_COUNTER_BYTES))
-        return splits, part_o, part_ml, counters
+        return splits, part_o, part_ml

@@ -19,17 +19,6 @@ MAX_KEY_SPLITS = 64  # most key splits of one (row tile, kv head, sequence)
 CUDA_CORE_KEY_TILE = 32
 TC_KEY_TILE = 64
 KV8_SUFFIX = "_kv8"  # an attention kernel's twin reading an fp8 (e4m3) KV cache
-# A decode kernel's twin that merges its own key splits in its last block (no attention_combine_k;
-# VT_ATTN_SELF_COMBINE=1), counting arrivals in one int32 per (row tile, kv head, sequence). The
-# counters sit at the end of the slot's partials scratch, a fixed ATTN_COUNTERS of them that no
-# launch's partials reach (attention_partial_bytes and max_splits_within leave them out); a launch
-# of more groups (past 2048 sequences at 32 kv heads) keeps the combine launch. A launch that also
-# writes its tokens' fp8 codes (attention.py's attention_fp8_out) counts each sequence's finished
-# groups in one more int32 a sequence, right after its groups' counters: [groups | sequences],
-# groups + sequences <= ATTN_COUNTERS (else attention, then quantize_fp8's launch).
-SELF_MERGE_SUFFIX = "_selfmerge"
-ATTN_COUNTERS = 1 << 16
-ATTN_COUNTER_BYTES = ATTN_COUNTERS * 4  # a multiple of ALIGN
 
 
 def tc_smem(d: int, stages: int, q_rows: int = 0, kv8: bool = False, direct: bool = False) -> int:
@@ -260,15 +249,15 @@ def key_splits(blocks: int, resident: int, max_seq_len: int, max_splits: int = M
 
 
 def attention_partial_bytes(splits: int, tokens: int, num_heads: int, head_dim: int) -> int:
-    """Split-key scratch of one attention launch: the partials o f32[splits, T, Hq, D] and (m, l)
-    f32[splits, T, Hq, 2], each aligned, then the self-merging kernels' ATTN_COUNTERS."""
+    """Split-key partials of one attention launch: o f32[splits, T, Hq, D] and (m, l)
+    f32[splits, T, Hq, 2], each aligned."""
     rows = splits * tokens * num_heads
-    return aligned(rows * head_dim * 4) + aligned(rows * 2 * 4) + ATTN_COUNTER_BYTES
+    return aligned(rows * head_dim * 4) + aligned(rows * 2 * 4)
 
 
 def max_splits_within(budget: int, tokens: int, num_heads: int, head_dim: int) -> int:
-    """The most key splits whose scratch (attention_partial_bytes) fits budget bytes (1 needs none)."""
+    """The most key splits whose partials fit budget bytes (1 needs none)."""
     per_split = tokens * num_heads * (head_dim + 2) * 4
     if per_split <= 0:
         return MAX_KEY_SPLITS
-    return max(1, min(MAX_KEY_SPLITS, (budget - 2 * ALIGN - ATTN_COUNTER_BYTES) // per_split))
+    return max(1, min(MAX_KEY_SPLITS, (budget - 2 * ALIGN) // per_split))

@@ -691,33 +691,6 @@ ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8, 128, TC_STAGES, false)
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d64_decode8_kv8, 64, DEC8_KV8_STAGES, true)
 ATTENTION_TC_DEC8_ENTRY(attention_tc_d128_decode8_kv8, 128, DEC8_KV8_STAGES, true)
 
-// The decode kernels that merge their own key splits (the launcher picks them with
-// VT_ATTN_SELF_COMBINE=1): the same bodies, then attention_merge.cu's merge_own_splits, whose
-// last block of each (row tile, kv head, sequence) merges the group's partials in place of an
-// attention_combine_k launch. counters: one int per group then one per sequence, zero before the
-// launch and after it; act_q, act_scale (nullable): the tokens' per-token fp8 codes and scales,
-// written by each token's last block.
-#define SELF_MERGE_TC_ENTRY(NAME, BODY, D, ROWS)                                                   \
-    extern "C" __global__ void __launch_bounds__(128) NAME(ATTN_TC_PARAMS, int* counters,          \
-                                                           unsigned char* act_q, float* act_scale) { \
-        BODY(ATTN_TC_ARGS);                                                                        \
-        extern __shared__ __align__(16) unsigned char smem[];                                      \
-        merge_own_splits(query_start_loc, seq_lens, hq, hk, num_splits, ROWS, TC_KT, part_o, part_ml, \
-                         out, total_tokens, D, counters, reinterpret_cast<int*>(smem), act_q, act_scale); \
-    }
-
-SELF_MERGE_TC_ENTRY(attention_tc_d64_decode_selfmerge, (attention_tc_body<64, 1, 4, TC_STAGES, false>), 64, 16)
-SELF_MERGE_TC_ENTRY(attention_tc_d128_decode_selfmerge, (attention_tc_body<128, 1, 4, TC_STAGES, false>), 128, 16)
-SELF_MERGE_TC_ENTRY(attention_tc_d64_decode_kv8_selfmerge, (attention_tc_body<64, 1, 4, TC_STAGES, true>), 64, 16)
-SELF_MERGE_TC_ENTRY(attention_tc_d128_decode_kv8_selfmerge, (attention_tc_body<128, 1, 4, TC_STAGES, true>), 128,
-                    16)
-SELF_MERGE_TC_ENTRY(attention_tc_d64_decode8_selfmerge, (attention_tc_dec8_body<64, TC_STAGES, false>), 64, 8)
-SELF_MERGE_TC_ENTRY(attention_tc_d128_decode8_selfmerge, (attention_tc_dec8_body<128, TC_STAGES, false>), 128, 8)
-SELF_MERGE_TC_ENTRY(attention_tc_d64_decode8_kv8_selfmerge, (attention_tc_dec8_body<64, DEC8_KV8_STAGES, true>), 64,
-                    8)
-SELF_MERGE_TC_ENTRY(attention_tc_d128_decode8_kv8_selfmerge, (attention_tc_dec8_body<128, DEC8_KV8_STAGES, true>),
-                    128, 8)
-
 // Prefill tilings of 128 rows (attention_plan.PREFILL_TILINGS): eight warps of one m-tile, or
 // four warps of two m-tiles with Q in shared memory and two K/V stages (two blocks an SM).
 #define ATTENTION_TC_PREFILL_ENTRY(NAME, D, NW, MT, STAGES, KSUB, KV8)                           \

@@ -240,18 +240,6 @@ __device__ __forceinline__ unsigned int mul_bf16x2(unsigned int a, unsigned int 
 #endif
 }
 
-// An fp8 activation's codes (fp8.cu; attention_merge.cu writes the same for a decode's output row):
-// per group, amax = max(|x|, FP8_AMAX_FLOOR), codes of x * (FP8_MAX / amax), scale amax / FP8_MAX.
-#define FP8_MAX 448.f
-#define FP8_AMAX_FLOOR 1e-12f
-
-// 8 codes of f * inv in one 8-byte store: p is 8-byte aligned (a chunk of 8 in a row of a multiple
-// of 8 codes, on memory the host allocates at 256-byte boundaries).
-__device__ __forceinline__ void store8_e4m3(unsigned char* p, const float* f, float inv) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv),
-                                              pack4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv));
-}
-
 // Two e4m3 codes, each in the high byte of a 16-bit half (s eeee mmm, then 8 zero bits), -> the
 // bf16 pair word of their values, exactly: the sign stays, the exponent and mantissa bits shift
 // down by 4 into bf16's (exponent field e, mantissa m << 4: 2^(e - 127) (1 + m / 8), or for e = 0

@@ -137,9 +137,7 @@ class _Slot:
                  sampler_bytes: int) -> None:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.arena = _Arena(workspace_bytes)
-        # zeroed once: its last bytes are the self-merging attention kernels' counters, which
-        # those kernels keep at zero (attention_plan.ATTN_COUNTERS)
-        self.partials = cupy.zeros((partials_bytes,), dtype=np.uint8)
+        self.partials = cupy.empty((partials_bytes,), dtype=np.uint8)
         self.sampler = cupy.empty((sampler_bytes,), dtype=np.uint8)
         self.done_event = cupy.cuda.Event(disable_timing=True)
         self.fence_event = cupy.cuda.Event(disable_timing=True)
@@ -269,7 +267,7 @@ class CudaCore:
                 s.arena = _Arena(int(nbytes))
             if partials_bytes is not None and s.partials.nbytes != partials_bytes:
                 s.partials = None
-                s.partials = cupy.zeros((int(partials_bytes),), dtype=np.uint8)  # as _Slot's
+                s.partials = cupy.empty((int(partials_bytes),), dtype=np.uint8)
 
     def scratch(self, shape: tuple[int, ...], dtype: str) -> cupy.ndarray:
         """A buffer that lives until the current step's arena is reset (pool-backed outside slots)."""

@@ -7,10 +7,18 @@
 // scale[g * scale_ld + row]. Rows are bf16 with a multiple of 8 elements on 16-byte aligned memory;
 // with group 128 the row length is a multiple of 128.
 
+#define FP8_MAX 448.f
+#define FP8_AMAX_FLOOR 1e-12f
 #define FP8_THREADS 256
 
-// FP8_MAX, FP8_AMAX_FLOOR, f2e4m3, pack4_e4m3 and store8_e4m3 are in cuda_common.cu: the KV cache
-// write and the self-merging decode attention's codes (attention_merge.cu) use them too.
+// f2e4m3 and pack4_e4m3 (float -> e4m3 bits) are in cuda_common.cu: the KV cache write uses them too.
+
+// 8 codes of f * inv in one 8-byte store: p is 8-byte aligned (a chunk of 8 in a row of a multiple
+// of 8 codes, on memory the host allocates at 256-byte boundaries).
+__device__ __forceinline__ void store8_e4m3(unsigned char* p, const float* f, float inv) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack4_e4m3(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv),
+                                              pack4_e4m3(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv));
+}
 
 // The max over the 16 lanes of a half warp (a group of 128 values, 8 a lane).
 __device__ __forceinline__ float half_warp_max(float v) {

@@ -18,7 +18,7 @@ from vt.kernels.arena import ITEM_BYTES, ArenaLedger
 from vt.kernels.base import NUM_SLOTS, norm_rope_write_kv_unfused, prologue_fused
 from vt.kernels.numpy_fp8 import E4M3, NumpyFp8Ops, quantize_rows_pow2, to_e4m3
 from vt.kernels.numpy_matmul import matmul_rows
-from vt.kernels.quantized import Fp8Activation, PendingScales
+from vt.kernels.quantized import PendingScales
 
 _DTYPES = {"act": np.float32, "f32": np.float32, "i32": np.int32, "u8": np.uint8, "i64": np.int64,
            "fp8": E4M3}
@@ -230,20 +230,6 @@ class NumpyBackend(NumpyFp8Ops):
             p /= p.sum(axis=-1, keepdims=True)
             out[start:end] = np.einsum("kgls,skd->lkgd", p, vals).reshape(length, hq, d)
         return out
-
-    def attention_fp8_out(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                          query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                          scale: float, max_query_len: int, max_seq_len: int, group: int | None,
-                          decode_seqs: int = 0, follows_kv_write: bool = False,
-                          kv_scales: tuple[float, float] = (1.0, 1.0),
-                          cascade_blocks: int = 0) -> Fp8Activation:
-        """attention, then quantize_fp8 of its output as [T, Hq * D] (CUDA may write the codes in
-        the attention launch itself: the same values)."""
-        t, hq, d = q.shape
-        o = self.attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len,
-                           max_seq_len, decode_seqs=decode_seqs, follows_kv_write=follows_kv_write,
-                           kv_scales=kv_scales, cascade_blocks=cascade_blocks)
-        return self.quantize_fp8(o.reshape(t, hq * d), group)
 
     def silu_mul(self, x: np.ndarray, rms_of: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
         half = x.shape[-1] // 2

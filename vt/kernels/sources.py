@@ -12,7 +12,7 @@ from vt.kernels import attention_plan
 KERNEL_FILES: dict[str, tuple[str, ...]] = {
     "elementwise.cu": (),
     "attention.cu": ("attention_merge.cu",),
-    "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu", "attention_merge.cu"),
+    "attention_tc.cu": ("tensor_core.cu", "attention_parts.cu"),
     "sampling.cu": (),
     "fp8.cu": (),
     "gemv.cu": ("tensor_core.cu",),

@@ -37,7 +37,7 @@ import numpy as np
 
 from vt.config import ModelConfig
 from vt.kernels.base import Array, Backend
-from vt.kernels.quantized import Fp8Activation, Fp8Weight, PendingResidual
+from vt.kernels.quantized import Fp8Weight, PendingResidual
 from vt.kernels.rank_group import rank_count
 from vt.model.batch import ForwardBatch
 from vt.model.loader import kv_scale_name
@@ -193,9 +193,6 @@ class Transformer:
         runner's piecewise graphs cut their capture there."""
         cfg, ops = self.cfg, self.ops
         attention = ops.attention if attend is None else attend
-        # fp8 weights: the attention output as o_proj's codes in one call where the backend has
-        # it (not around the piecewise graphs' cut, whose attend returns the bf16 output)
-        attention_fp8 = getattr(ops, "attention_fp8_out", None) if attend is None else None
         if len(kv) != cfg.num_layers:
             raise ValueError(f"kv has {len(kv)} layers, the model has {cfg.num_layers}")
         t = batch.input_ids.shape[0]
@@ -214,7 +211,7 @@ class Transformer:
                 ops.arena_reset(start)
             if self.fp8 is not None:
                 pending = self._fp8_layer_forward(layer, r, batch, k_cache, v_cache, kv_scales, attention,
-                                                  attention_fp8, group, pending)
+                                                  group, pending)
                 continue
             qkv = ops.linear(r, layer.qkv, None)
             q = qkv[:, :q_end].reshape(t, hq, d)
@@ -235,8 +232,7 @@ class Transformer:
 
     def _fp8_layer_forward(self, layer: _Layer, r: Array, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                            kv_scales: tuple[float, float], attention: Callable[..., Array],
-                           attention_fp8: Callable[..., Fp8Activation] | None, group: int | None,
-                           pending: PendingResidual | None) -> PendingResidual | None:
+                           group: int | None, pending: PendingResidual | None) -> PendingResidual | None:
         """One layer on fp8 weights, the residual stream r updated in place once `pending` (the
         layer before's down_proj product, if it was deferred) is added by the input norm; returns
         this layer's down_proj product where the backend deferred it. The arena is rewound between
@@ -256,15 +252,11 @@ class Transformer:
         ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
                                   k_cache, v_cache, batch.slot_mapping, rms_of=None, bias=layer.qkv_bias,
                                   kv_scales=kv_scales, scales=scales)
-        args = (q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, self.scale,
-                batch.max_query_len, batch.max_seq_len)
-        opts = dict(decode_seqs=batch.num_decodes, follows_kv_write=True, kv_scales=kv_scales,
-                    cascade_blocks=batch.cascade_blocks)
-        if attention_fp8 is not None:  # attention, then quantize_fp8 of its output (CUDA may fuse them)
-            o_q = attention_fp8(*args, group, **opts)
-        else:
-            o_q = ops.quantize_fp8(attention(*args, **opts).reshape(t, self.q_dim), group)
+        o = attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                      self.scale, batch.max_query_len, batch.max_seq_len, decode_seqs=batch.num_decodes,
+                      follows_kv_write=True, kv_scales=kv_scales, cascade_blocks=batch.cascade_blocks)
         # o_proj's product may come back un-added: the post-attention norm adds it (one launch)
+        o_q = ops.quantize_fp8(o.reshape(t, self.q_dim), group)
         act = ops.mlp_act_fp8(r, layer.post_norm, eps, group, layer.gate_up,
                               pending=ops.linear_fp8_residual(o_q, layer.o_proj, r, defer=True))
         # and down_proj's too: the next layer's input norm adds it, or add_pending after the last
