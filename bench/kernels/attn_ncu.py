@@ -4,7 +4,8 @@
         python3 -m bench.kernels.attn_ncu --tiling wgv --prompt 8192
 
 `--tiling fa3` runs vLLM's FlashAttention-3 on the same case instead (the peer's bundle staged and
-on PYTHONPATH, bench/kernels/attn_peer.py; its kernel's name matches `regex:flash_fwd`).
+on PYTHONPATH, bench/kernels/attn_peer.py; CUTLASS launches it as `device_kernel`, which
+`--kernel-name regex:device_kernel` picks).
 
 Qwen3-8B's attention heads (32 q, 8 kv, head dim 128), one causal prompt over a paged cache with
 shuffled blocks, built as bench/kernels/attn_tilings.py builds its cases. Prints the mean time of

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.kernels.attn_tilings import D, PagedCase, causal_flops, paged_case
+from bench.kernels.attn_tilings import D, PagedCase, case_call, causal_flops, paged_case
 from vt.kernels.attention_plan import DEFAULT_PREFILL_TILING
 
 if TYPE_CHECKING:
@@ -81,16 +81,11 @@ def measure_case(be: CudaBackend, rng: np.random.Generator, tiling: str, q_lens:
     """(engine, seconds a call, relative difference from vt's output) for vt's tiling, FA3, and FA3
     with the scheduler metadata."""
     import cupy
-    import torch
 
     from bench.kernels.kernel_bench import time_op
 
     c = paged_case(rng, hq, q_lens, ctx_lens)
-
-    def ours() -> cupy.ndarray:
-        return be.attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_table,
-                            D**-0.5, max(q_lens), max(ctx_lens), kv_scales=(1.0, 1.0))
-
+    ours = case_call(be, c)
     t_ours = time_op(be, ours)
     with be.slot(0):
         mine = ours()
@@ -101,7 +96,6 @@ def measure_case(be: CudaBackend, rng: np.random.Generator, tiling: str, q_lens:
         peer = fa3_call(c, hq, metadata=metadata)
         t = time_torch(peer)
         got = peer().float().cpu().numpy()
-        torch.cuda.synchronize()
         results.append((name, t, float(np.linalg.norm(got - mine_f) / max(np.linalg.norm(mine_f), 1e-30))))
     return results
 

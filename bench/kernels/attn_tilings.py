@@ -100,17 +100,22 @@ def paged_case(rng: np.random.Generator, hq: int, q_lens: list[int], ctx_lens: l
     return PagedCase(q, kc, vc, *dev, list(q_lens), list(ctx_lens))
 
 
-def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
-                         ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
-    """One attention launch of a paged_case (kv8: scales 0.1)."""
-    c = paged_case(rng, hq, q_lens, ctx_lens, kv8)
+def case_call(be: CudaBackend, c: PagedCase, kv8: bool = False) -> Callable[[], cupy.ndarray]:
+    """One attention launch of case c on be (kv8: scales 0.1)."""
     scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
+    max_q, max_k = max(c.q_lens), max(c.ctx_lens)
 
     def call() -> cupy.ndarray:
         return be.attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_table, D**-0.5,
-                            max(q_lens), max(ctx_lens), kv_scales=scales)
+                            max_q, max_k, kv_scales=scales)
 
     return call
+
+
+def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_lens: list[int],
+                         ctx_lens: list[int], kv8: bool = False) -> Callable[[], cupy.ndarray]:
+    """One attention launch of a new paged_case."""
+    return case_call(be, paged_case(rng, hq, q_lens, ctx_lens, kv8), kv8)
 
 
 def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],

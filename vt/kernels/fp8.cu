@@ -237,6 +237,18 @@ extern "C" __global__ void add_scaled_rows_k(bf16_t* __restrict__ r, const bf16_
     store8(r + i, a);
 }
 
+// r[c .. c + 7] += y[c .. c + 7] * (xs * w_scale[c .. c + 7]) as add_scaled_rows_k adds it, stored
+// as bf16; a gets the sums in fp32 (before that rounding).
+__device__ __forceinline__ void add_scaled8(bf16_t* rr, const bf16_t* __restrict__ yr,
+                                            const float* __restrict__ w_scale, float xs, int c, float (&a)[8]) {
+    float b[8], ws[8];
+    load8(rr + c, a);
+    load8(yr + c, b);
+    load8_f32(w_scale + c, ws);
+    for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * ws[e], a[e]);
+    store8(rr + c, a);
+}
+
 // The post-attention norm of a 17-256-row step whose o_proj ran with unit scales (fp8.py): r[t] +=
 // y[t] * (x_scale[t] * w_scale) as add_scaled_rows_k adds it, then rms_norm_quant_k of the new
 // row (per-token codes), by the same arithmetic: the same bits as those two kernels, one launch
@@ -254,13 +266,8 @@ extern "C" __global__ void add_scaled_rms_norm_quant_k(bf16_t* r, const bf16_t* 
     const bf16_t* yr = y + (size_t)row * k;
     const float xs = x_scale[row];
     for (int c = threadIdx.x * 8; c < k; c += FP8_THREADS * 8) {
-        float a[8], b[8];
-        load8(rr + c, a);
-        load8(yr + c, b);
-        float ws[8];
-        load8_f32(w_scale + c, ws);
-        for (int e = 0; e < 8; ++e) a[e] = __fmaf_rn(b[e], xs * ws[e], a[e]);
-        store8(rr + c, a);
+        float a[8];
+        add_scaled8(rr, yr, w_scale, xs, c, a);
     }
     // row_inv_rms and quantize_row read the row in the loop's own pattern: each thread reads back
     // only the chunks it stored, so no barrier is needed between.
@@ -334,12 +341,7 @@ __device__ __forceinline__ void add_scaled_rms_norm_quant_held_body(
     const bf16_t* yr = y + (size_t)row * k;
     const float xs = x_scale[row];
     const auto load = [&](int c, float (&v)[8]) {
-        float b[8], ws[8];
-        load8(rr + c, v);
-        load8(yr + c, b);
-        load8_f32(w_scale + c, ws);
-        for (int e = 0; e < 8; ++e) v[e] = __fmaf_rn(b[e], xs * ws[e], v[e]);
-        store8(rr + c, v);
+        add_scaled8(rr, yr, w_scale, xs, c, v);
         for (int e = 0; e < 8; ++e) v[e] = bf2f(f2bf(v[e]));
     };
     rms_norm_quant_held<CH>(load, weight, eps, q, scale, row, k, scratch);
