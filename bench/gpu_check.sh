@@ -34,6 +34,18 @@ bench_in() {
     (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$secs" python3 "bench/${module#*.}.py" "$@")
   fi
 }
+# Where vLLM's FA3 module is importable from, into /tmp/fa3_site: the slim pack if carried
+# (bench/kernels/fa3_pack.sh), else the peer's bundle staged in /tmp/vb, installed into /tmp/vsite
+# (not marking /tmp/vb/.installed: the peer runner also installs vLLM's fp8 extras under that mark).
+fa3_site() {
+  if [ -f .peer/fa3pack/fa3slim.tar.xz ]; then
+    test -d /tmp/fa3/vllm || { mkdir -p /tmp/fa3 && tar -xJf .peer/fa3pack/fa3slim.tar.xz -C /tmp/fa3; } || return 1
+    echo /tmp/fa3 > /tmp/fa3_site
+  else
+    test -d /tmp/vsite/vllm || (cd /tmp/vb && SKIP_IMPORT_TEST=1 bash install.sh) || return 1
+    echo /tmp/vsite > /tmp/fa3_site
+  fi
+}
 for s in $steps; do
   echo "== $s $(date -u +%T)" | tee -a "$OUT/steps.log"
   case $s in
@@ -310,24 +322,27 @@ for s in $steps; do
           done
         done
       done ;;
-    attn_peer)  # prompt attention beside vLLM's FlashAttention-3 on the same paged cases (the peer's bundle
-                # staged in /tmp/vb, ../shared/peer/README.md; installed here if the peer runner has not)
-      # (not marking /tmp/vb/.installed: the peer runner also installs vLLM's fp8 extras under that mark)
-      test -d /tmp/vsite/vllm || (cd /tmp/vb && SKIP_IMPORT_TEST=1 bash install.sh > "$OUT/vb_install.log" 2>&1)
-      (source /tmp/vb/vllm_env.sh; PYTHONPATH="$PWD:/tmp/vsite:/tmp/site" timeout 300 python3 -m bench.kernels.attn_peer \
-        --tiling "${PEER_TILING:-wgwp}" --json "$OUT/attn_peer.json" 2>&1 | grep -vE "^(INFO|WARNING)" | tail -30 \
-        | tee "$OUT/attn_peer.log") ;;
-    ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling (fa3: vLLM's FlashAttention-3,
-               # the peer's bundle installed in /tmp/vsite by attn_peer)
+    attn_peer)  # prompt attention beside vLLM's FlashAttention-3 on the same paged cases: FA3 from the slim
+                # pack (bench/kernels/fa3_pack.sh, carried as .peer/fa3pack), else from the peer's bundle
+                # staged in /tmp/vb (../shared/peer/README.md), installed here if the peer runner has not
+      fa3_site > "$OUT/fa3_site.log" 2>&1 || { echo "attn_peer: no FA3 (carry .peer/fa3pack or stage the bundle)"; continue; }
+      (source /tmp/vb/vllm_env.sh 2>/dev/null; PYTHONPATH="$PWD:$(cat /tmp/fa3_site):/tmp/site" timeout 300 \
+        python3 -m bench.kernels.attn_peer $(for t in ${PEER_TILINGS:-wgwp}; do echo --tiling $t; done) \
+        --json "$OUT/attn_peer.json" 2>&1 | grep -vE "^(INFO|WARNING)" | tail -40 | tee "$OUT/attn_peer.log") ;;
+    ncu_attn)  # one 8k prompt's attention under Nsight Compute, per tiling (fa3: vLLM's FlashAttention-3, found
+               # as attn_peer finds it)
       n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       for t in ${TILINGS:-wgv}; do
         kn=regex:attention_ pp=$PYTHONPATH
-        [ "$t" = fa3 ] && kn=regex:device_kernel pp="$PWD:/tmp/vsite:/tmp/site"
+        if [ "$t" = fa3 ]; then
+          fa3_site >> "$OUT/fa3_site.log" 2>&1 || { echo "ncu_attn: no FA3"; continue; }
+          kn=regex:device_kernel pp="$PWD:$(cat /tmp/fa3_site):/tmp/site"
+        fi
         (source /tmp/vb/vllm_env.sh 2>/dev/null; PYTHONPATH=$pp timeout 240 "$n" --kernel-name $kn --launch-skip 1 \
           --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
           --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-          python3 -m bench.kernels.attn_ncu --tiling $t --prompt 8192) \
-          2>&1 | grep -vE "^==PROF==|^\s*$" | tail -120 | sed "s/^/$t /" | tee -a "$OUT/ncu.log"
+          --section InstructionStats python3 -m bench.kernels.attn_ncu --tiling $t --prompt 8192) \
+          2>&1 | grep -vE "^==PROF==|^\s*$" | tail -150 | sed "s/^/$t /" | tee -a "$OUT/ncu.log"
       done ;;
     *) ;;
   esac

@@ -7,10 +7,11 @@ cache of 16-key blocks, shuffled, as vLLM serves it), handed to FA3 through DLPa
 FA3 runs as vLLM's attention backend calls it: `flash_attn_varlen_func` over the block table with
 `fa_version=3`, with and without the scheduler metadata vLLM computes ahead of a step.
 
-Needs the peer's vLLM staged on the GPU machine (../shared/peer/README.md), on PYTHONPATH after
-this checkout:
+Needs vLLM's FA3 extension on PYTHONPATH after this checkout: the peer's vLLM staged on the GPU
+machine (../shared/peer/README.md), or only its FA3 module, packed by bench/kernels/fa3_pack.sh (8 MB,
+one carry):
 
-    source /tmp/vb/vllm_env.sh; python3 -m bench.kernels.attn_peer [--tiling wgwp] [--json out.json]
+    python3 -m bench.kernels.attn_peer [--tiling wgwp --tiling wgwz] [--json out.json]
 """
 
 from __future__ import annotations
@@ -76,45 +77,54 @@ def fa3_call(c: PagedCase, hq: int = 32, hk: int = 8, metadata: bool = True) -> 
     return call
 
 
-def measure_case(be: CudaBackend, rng: np.random.Generator, tiling: str, q_lens: list[int],
+def rel_diff(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def measure_case(be: CudaBackend, rng: np.random.Generator, tilings: list[str], q_lens: list[int],
                  ctx_lens: list[int], hq: int = 32) -> list[tuple[str, float, float]]:
-    """(engine, seconds a call, relative difference from vt's output) for vt's tiling, FA3, and FA3
-    with the scheduler metadata."""
+    """(engine, seconds a call, relative difference from the first tiling's output) for each of vt's
+    tilings, FA3, and FA3 with the scheduler metadata."""
     import cupy
 
     from bench.kernels.kernel_bench import time_op
 
     c = paged_case(rng, hq, q_lens, ctx_lens)
     ours = case_call(be, c)
-    t_ours = time_op(be, ours)
-    with be.slot(0):
-        mine = ours()
-    cupy.cuda.Device().synchronize()
-    mine_f = cupy.asnumpy((mine.astype(np.uint32) << 16).view(np.float32)).reshape(sum(q_lens), hq, D)
-    results = [(tiling, t_ours, 0.0)]
+    results: list[tuple[str, float, float]] = []
+    mine_f = None
+    for tiling in tilings:
+        be.use_prefill_tiling(tiling)
+        t_ours = time_op(be, ours)
+        with be.slot(0):
+            mine = ours()
+        cupy.cuda.Device().synchronize()
+        got = cupy.asnumpy((mine.astype(np.uint32) << 16).view(np.float32)).reshape(sum(q_lens), hq, D)
+        mine_f = got if mine_f is None else mine_f
+        results.append((tiling, t_ours, rel_diff(got, mine_f)))
     for name, metadata in (("fa3", False), ("fa3+meta", True)):
         peer = fa3_call(c, hq, metadata=metadata)
         t = time_torch(peer)
         got = peer().float().cpu().numpy()
-        results.append((name, t, float(np.linalg.norm(got - mine_f) / max(np.linalg.norm(mine_f), 1e-30))))
+        results.append((name, t, rel_diff(got, mine_f)))
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiling", default=DEFAULT_PREFILL_TILING)
+    ap.add_argument("--tiling", action="append", help="vt prompt tiling to time (repeatable)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from vt.kernels.cuda_ops import CudaBackend
 
     be = CudaBackend(workspace_bytes=1 << 30)
-    be.use_prefill_tiling(args.tiling)
+    tilings = args.tiling or [DEFAULT_PREFILL_TILING]
     rng = np.random.default_rng(0)
     rows = []
     print(f"{'case':30s} {'engine':10s} {'us':>9s} {'TFLOP/s':>8s} {'rel diff':>9s}")
     for label, q_lens, ctx_lens in CASES:
         flops = causal_flops(q_lens, ctx_lens, 32)
-        for name, t, diff in measure_case(be, rng, args.tiling, q_lens, ctx_lens):
+        for name, t, diff in measure_case(be, rng, tilings, q_lens, ctx_lens):
             rows.append({"case": label, "engine": name, "us": t * 1e6, "tflops": flops / t / 1e12,
                          "rel_diff": diff})
             print(f"{label:30s} {name:10s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {diff:9.1e}")
