@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.kernels.attn_tilings import D, PagedCase, case_call, causal_flops, paged_case
+from bench.kernels.attn_tilings import D, PagedCase, case_call, causal_flops, host_f32, paged_case, rel_diff
 from vt.kernels.attention_plan import DEFAULT_PREFILL_TILING
 
 if TYPE_CHECKING:
@@ -77,10 +77,6 @@ def fa3_call(c: PagedCase, hq: int = 32, hk: int = 8, metadata: bool = True) -> 
     return call
 
 
-def rel_diff(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def measure_case(be: CudaBackend, rng: np.random.Generator, tilings: list[str], q_lens: list[int],
                  ctx_lens: list[int], hq: int = 32) -> list[tuple[str, float, float]]:
     """(engine, seconds a call, relative difference from the first tiling's output) for each of vt's
@@ -99,7 +95,7 @@ def measure_case(be: CudaBackend, rng: np.random.Generator, tilings: list[str], 
         with be.slot(0):
             mine = ours()
         cupy.cuda.Device().synchronize()
-        got = cupy.asnumpy((mine.astype(np.uint32) << 16).view(np.float32)).reshape(sum(q_lens), hq, D)
+        got = host_f32(mine).reshape(sum(q_lens), hq, D)
         mine_f = got if mine_f is None else mine_f
         results.append((tiling, t_ours, rel_diff(got, mine_f)))
     for name, metadata in (("fa3", False), ("fa3+meta", True)):

@@ -48,6 +48,18 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], hq: int) -> float:
     return 4.0 * hq * D * total
 
 
+def host_f32(a: cupy.ndarray) -> np.ndarray:
+    """bf16 bits on the device as float32 on the host."""
+    import cupy
+
+    return (cupy.asnumpy(a).astype(np.uint32) << 16).view(np.float32)
+
+
+def rel_diff(got: np.ndarray, ref: np.ndarray) -> float:
+    """How far one attention output is from another: |got - ref| / |ref|."""
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
 def fp8_codes(*shape: int) -> cupy.ndarray:
     """Random e4m3 codes, exponent fields 0-11 (magnitudes up to 30) and either sign."""
     import cupy
@@ -87,8 +99,7 @@ def paged_case(rng: np.random.Generator, hq: int, q_lens: list[int], ctx_lens: l
         from vt.kernels.cuda_core import bf16_bits
         from vt.kernels.numpy_fp8 import quantize_rows_pow2
 
-        host = (cupy.asnumpy(q).astype(np.uint32) << 16).view(np.float32)
-        q = cupy.asarray(bf16_bits(quantize_rows_pow2(host)))
+        q = cupy.asarray(bf16_bits(quantize_rows_pow2(host_f32(q))))
     table = np.zeros((len(q_lens), max(blocks)), np.int32)
     perm = rng.permutation(sum(blocks))
     at = 0
@@ -120,8 +131,6 @@ def paged_attention_call(be: CudaBackend, rng: np.random.Generator, hq: int, q_l
 
 def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_lens: list[int],
              ctx_lens: list[int], tilings: list[str] | None = None, kv8: bool = False) -> list[dict]:
-    import cupy
-
     from bench.kernels.kernel_bench import time_op
 
     call = paged_attention_call(be, rng, hq, q_lens, ctx_lens, kv8)
@@ -137,10 +146,10 @@ def run_case(be: CudaBackend, rng: np.random.Generator, hq: int, label: str, q_l
             continue
         t = time_op(be, call)
         with be.slot(0):
-            got = cupy.asnumpy((call().astype(np.uint32) << 16).view(np.float32)).astype(np.float64)
+            got = host_f32(call()).astype(np.float64)
         if not rows:
             base_t, base_out = t, got
-        diff = float(np.linalg.norm(got - base_out) / max(np.linalg.norm(base_out), 1e-30))
+        diff = rel_diff(got, base_out)
         rows.append({"hq": hq, "case": label, "tiling": tiling, "us": t * 1e6, "tflops": flops / t / 1e12,
                      "speedup": base_t / t, "rel_diff": diff})
     be.use_prefill_tiling(FALLBACK_PREFILL_TILING)
