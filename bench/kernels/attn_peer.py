@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 CASES = [("8k alone", [8192], [8192]), ("2k alone", [2048], [2048]), ("2k chunk at 8k", [2048], [8192]),
          ("4 x 1k", [1024] * 4, [1024] * 4),
-         ("8000 beside 7 decodes at 4000", [8000] + [1] * 7, [8000] + [4000] * 7)]
+         ("8000 beside 7 decodes at 4000", [8000] + [1] * 7, [8000] + [4000] * 7),
+         # the same batch as a step orders it, decodes first: vt's two launches (decode, prompt)
+         ("7 decodes at 4000, then 8000", [1] * 7 + [8000], [4000] * 7 + [8000])]
 
 
 def time_torch(fn, reps: int = 20) -> float:

@@ -112,13 +112,16 @@ def paged_case(rng: np.random.Generator, hq: int, q_lens: list[int], ctx_lens: l
 
 
 def case_call(be: CudaBackend, c: PagedCase, kv8: bool = False) -> Callable[[], cupy.ndarray]:
-    """One attention launch of case c on be (kv8: scales 0.1)."""
+    """Case c's attention on be as a step calls it (kv8: scales 0.1): one-row sequences ahead of the
+    longer ones are the step's decodes (decode_seqs), which run on the decode kernel, the rest in
+    one prompt launch; a case that puts its decodes after a prompt runs all of them in that one."""
     scales = (0.1, 0.1) if kv8 else (1.0, 1.0)
     max_q, max_k = max(c.q_lens), max(c.ctx_lens)
+    decodes = next((i for i, n in enumerate(c.q_lens) if n != 1), len(c.q_lens)) if max_q > 1 else 0
 
     def call() -> cupy.ndarray:
         return be.attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_table, D**-0.5,
-                            max_q, max_k, kv_scales=scales)
+                            max_q, max_k, kv_scales=scales, decode_seqs=decodes)
 
     return call
 
