@@ -11,7 +11,7 @@ Needs vLLM's FA3 extension on PYTHONPATH after this checkout: the peer's vLLM st
 machine (../shared/peer/README.md), or only its FA3 module, packed by bench/kernels/fa3_pack.sh (8 MB,
 one carry):
 
-    python3 -m bench.kernels.attn_peer [--tiling wgwp --tiling wgwz] [--json out.json]
+    python3 -m bench.kernels.attn_peer [--tiling wgwp --tiling wgs] [--json out.json]
 """
 
 from __future__ import annotations
